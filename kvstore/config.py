@@ -1,0 +1,335 @@
+"""One typed, validated config tree.
+
+Layers, lowest first: built-in defaults < YAML file (--config or KVSTORE_CONFIG) < KVSTORE_*
+environment variables < CLI flags (--set KEY=VALUE and the named flags). Each key's
+environment variable is derived once from its path: `hot.pool` -> KVSTORE_HOT_POOL.
+Every invalid key or value raises ConfigError naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from kvstore.errors import ConfigError
+from kvstore.spec import DTYPES, KVSpec, canonical_dtype, is_power_of_two
+
+ENV_PREFIX = "KVSTORE_"
+ENV_CONFIG_FILE = "KVSTORE_CONFIG"
+WRITE_POLICIES = ("write_back", "write_through")
+PREFETCH_POLICIES = ("best_effort", "wait", "timeout")
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string such as '512MiB', '2GiB', '40GB'. Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+# Field kinds: a parser from YAML/env/CLI values to the typed value, and what is allowed.
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool):
+        raise ValueError
+    if isinstance(v, float) and not v.is_integer():
+        raise ValueError
+    return int(str(v).strip()) if isinstance(v, str) else int(v)
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError
+    return float(v)
+
+
+def _pool(v: Any) -> float | int:
+    """A byte size, or a fraction in (0, 1] of the free device memory."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return parse_size(v)
+    if 0 < f <= 1 and not (isinstance(v, int) and f == 1):
+        return f
+    return parse_size(v if isinstance(v, (int, str)) else int(f))
+
+
+def _str(v: Any) -> str:
+    if isinstance(v, (dict, list)):
+        raise ValueError
+    return str(v)
+
+
+def opt(default: Any, parse: Callable[[Any], Any], allowed: str,
+        check: Callable[[Any], bool] = lambda v: True, help: str = ""):
+    return field(default=default, metadata={"parse": parse, "allowed": allowed, "check": check, "help": help})
+
+
+def _unit(v: float) -> bool:
+    return 0 < v <= 1
+
+
+def _policy_names() -> list[str]:
+    from kvstore.policy import policy_names
+    return policy_names()
+
+
+@dataclass(frozen=True)
+class HotConfig:
+    pool: float | int = opt("256MiB", _pool, "a byte size such as 512MiB or 4GiB, or a fraction in (0, 1] "
+                            "of free device memory", lambda v: v > 0)
+    device: str = opt("auto", _str, "auto, cpu, cuda or cuda:N",
+                      lambda v: v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v) is not None)
+    high_watermark: float = opt(0.90, _float, "a number in (0, 1]", _unit)
+    low_watermark: float = opt(0.75, _float, "a number in (0, 1] below high_watermark", _unit)
+    allocate_timeout_s: float = opt(5.0, _float, "seconds >= 0", lambda v: v >= 0)
+
+
+@dataclass(frozen=True)
+class WarmConfig:
+    bytes: int = opt("1GiB", parse_size, "a byte size such as 1GiB (0 disables the warm tier)")
+    high_watermark: float = opt(0.90, _float, "a number in (0, 1]", _unit)
+    low_watermark: float = opt(0.75, _float, "a number in (0, 1] below high_watermark", _unit)
+    shared_memory: bool = opt(False, _bool, "true or false")
+
+
+@dataclass(frozen=True)
+class ColdConfig:
+    enabled: bool = opt(True, _bool, "true or false")
+    path: str = opt("cold", _str, "a directory (relative paths are under data_dir)")
+    max_bytes: int = opt("8GiB", parse_size, "a byte size such as 100GiB", lambda v: v > 0)
+    map_size_max: int = opt(0, parse_size, "a byte size >= max_bytes, or 0 for 2 x max_bytes")
+    high_watermark: float = opt(0.95, _float, "a number in (0, 1]", _unit)
+    low_watermark: float = opt(0.85, _float, "a number in (0, 1] below high_watermark", _unit)
+    write_batch: int = opt(64, _int, "an integer >= 1", lambda v: v >= 1)
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    policy: str = opt("best_effort", _str, f"one of {', '.join(PREFETCH_POLICIES)}",
+                      lambda v: v in PREFETCH_POLICIES)
+    timeout_s: float = opt(0.5, _float, "seconds >= 0", lambda v: v >= 0)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    interval_s: float = opt(0.05, _float, "seconds > 0", lambda v: v > 0)
+
+
+@dataclass(frozen=True)
+class Config:
+    data_dir: str = opt("./kvstore-data", _str, "a directory")
+    model: str = opt("tiny", _str, "a preset name or a Hugging Face model directory")
+    kv_dtype: str = opt("auto", _str, f"auto or one of {', '.join(DTYPES)}",
+                        lambda v: v == "auto" or _dtype_ok(v))
+    page_size: int = opt(16, _int, "a positive power of two (e.g. 16)", is_power_of_two)
+    max_seq_len: int = opt(8192, _int, "an integer >= 1", lambda v: v >= 1)
+    eviction_policy: str = opt("lru", _str, "a registered eviction policy",
+                               lambda v: v in _policy_names())
+    write_policy: str = opt("write_back", _str, f"one of {', '.join(WRITE_POLICIES)}",
+                            lambda v: v in WRITE_POLICIES)
+    prefix_cache_max_entries: int = opt(1_000_000, _int, "an integer >= 1", lambda v: v >= 1)
+    pin_ttl_s: float = opt(600.0, _float, "seconds > 0", lambda v: v > 0)
+    hot: HotConfig = field(default_factory=HotConfig)
+    warm: WarmConfig = field(default_factory=WarmConfig)
+    cold: ColdConfig = field(default_factory=ColdConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+
+    # derived
+    @property
+    def cold_path(self) -> Path:
+        p = Path(self.cold.path)
+        return p if p.is_absolute() else Path(self.data_dir) / p
+
+    @property
+    def cold_map_size_max(self) -> int:
+        return self.cold.map_size_max or 2 * self.cold.max_bytes
+
+    def resolved_kv_dtype(self, device: str) -> str:
+        if self.kv_dtype != "auto":
+            return canonical_dtype(self.kv_dtype, "kv_dtype")
+        return "bfloat16" if device.startswith("cuda") else "float32"
+
+    def kv_spec(self, device: str = "cpu") -> KVSpec:
+        from kvstore.shapes import load_shape
+        return load_shape(self.model).kv_spec(self.resolved_kv_dtype(device), self.page_size)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+def _dtype_ok(v: str) -> bool:
+    try:
+        canonical_dtype(v)
+        return True
+    except ConfigError:
+        return False
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _is_section(f: dataclasses.Field) -> bool:
+    return dataclasses.is_dataclass(f.default_factory) if f.default_factory is not dataclasses.MISSING else False
+
+
+def key_paths(cls=Config, prefix: str = "") -> dict[str, dataclasses.Field]:
+    """Every leaf key, by dotted path."""
+    out = {}
+    for name, f in _fields(cls).items():
+        if _is_section(f):
+            out.update(key_paths(f.default_factory, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = f
+    return out
+
+
+def env_name(path: str) -> str:
+    return ENV_PREFIX + path.replace(".", "_").upper()
+
+
+ENV_VARS: dict[str, str] = {env_name(p): p for p in key_paths()}
+
+
+def _build(cls, data: Mapping[str, Any], prefix: str = ""):
+    if not isinstance(data, Mapping):
+        raise ConfigError(prefix.rstrip(".") or "config", data, "must be a mapping of keys to values")
+    fields = _fields(cls)
+    for key in data:
+        if key not in fields:
+            raise ConfigError(prefix + str(key), data[key],
+                              f"unknown key; allowed here: {', '.join(fields)}")
+    values = {}
+    for name, f in fields.items():
+        path = prefix + name
+        if _is_section(f):
+            values[name] = _build(f.default_factory, data.get(name) or {}, path + ".")
+            continue
+        raw = data.get(name, f.default)
+        meta = f.metadata
+        try:
+            value = meta["parse"](raw)
+        except (TypeError, ValueError):
+            raise ConfigError(path, raw, f"must be {meta['allowed']}") from None
+        if not meta["check"](value):
+            raise ConfigError(path, raw, f"must be {meta['allowed']}")
+        values[name] = value
+    return cls(**values)
+
+
+def _check_relations(cfg: Config) -> None:
+    for section in ("hot", "warm", "cold"):
+        sec = getattr(cfg, section)
+        if sec.low_watermark >= sec.high_watermark:
+            raise ConfigError(f"{section}.low_watermark", sec.low_watermark,
+                              f"must be below {section}.high_watermark ({sec.high_watermark})")
+    if cfg.cold.map_size_max and cfg.cold.map_size_max < cfg.cold.max_bytes:
+        raise ConfigError("cold.map_size_max", cfg.cold.map_size_max,
+                          f"must be at least cold.max_bytes ({cfg.cold.max_bytes})")
+
+
+def _set_path(tree: dict, path: str, value: Any) -> None:
+    parts = path.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(path, value, f"{part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _read_file(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError("config", str(p), f"cannot read the file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError("config", str(p), f"is not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config", str(p), "must hold a YAML mapping at the top level")
+    return data
+
+
+def load_config(file: str | Path | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Build the config: defaults < file < environment < overrides (dotted key -> value)."""
+    env = os.environ if env is None else env
+    file = file or env.get(ENV_CONFIG_FILE)
+    tree: dict = _read_file(file) if file else {}
+    known = set(ENV_VARS) | {ENV_CONFIG_FILE} | set(EXTRA_ENV_VARS)
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        if name not in known:
+            raise ConfigError(name, value, "unknown environment variable; known: " + ", ".join(sorted(known)))
+        if name in ENV_VARS:
+            _set_path(tree, ENV_VARS[name], value)
+    paths = key_paths()
+    for path, value in (overrides or {}).items():
+        if path not in paths:
+            raise ConfigError(path, value, "unknown key; see `kvstore config --keys` or etc/kvstore.yaml")
+        _set_path(tree, path, value)
+    cfg = _build(Config, tree)
+    _check_relations(cfg)
+    return cfg
+
+
+def parse_set(items: list[str]) -> dict[str, str]:
+    """`--set KEY=VALUE` items to a dict."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("--set", item, "must be KEY=VALUE, e.g. hot.pool=2GiB")
+        out[key.strip()] = value
+    return out
+
+
+# Variables with the prefix that are not config keys (declared once, here).
+EXTRA_ENV_VARS: dict[str, str] = {}

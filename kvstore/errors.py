@@ -1,0 +1,21 @@
+"""Errors a user or a caller can act on. Each message is one line."""
+
+
+class KVStoreError(Exception):
+    """Base class of every error kvstore raises on purpose."""
+
+
+class ConfigError(KVStoreError):
+    """A config key or value is invalid. The message names the key, the value and what is allowed."""
+
+    def __init__(self, key: str, value: object, allowed: str):
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key} = {value!r}: {allowed}")
+
+
+class OutOfCapacity(KVStoreError):
+    """The hot tier cannot hold the pages asked for, even after evicting what may be evicted."""
+
+
+class NotBuilt(KVStoreError):
+    """A part of kvstore that this version does not include."""

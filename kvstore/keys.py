@@ -1,0 +1,76 @@
+"""Namespaces and hash-chained page keys.
+
+key_i = blake3(namespace digest || key_{i-1} || token ids of page i as little-endian int32),
+with key_{-1} = the namespace digest. Only full pages get keys. blake3 makes keys identical
+across processes and machines (no PYTHONHASHSEED) and crafted collisions infeasible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import blake3
+import numpy as np
+
+from kvstore.spec import LAYOUT_VERSION, KVSpec
+
+KEY_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything a page's bytes depend on besides its tokens, plus who may see it.
+
+    A page is served only to a request with the same namespace: the same model identity,
+    KV dtype and layout (geometry included), and the same tenant and cache salt.
+    """
+
+    model: str
+    kv_dtype: str
+    layout: str = LAYOUT_VERSION
+    tenant: str = ""
+    salt: str = ""
+
+    @classmethod
+    def for_spec(cls, model: str, spec: KVSpec, tenant: str = "", salt: str = "") -> "Namespace":
+        return cls(model=model, kv_dtype=spec.dtype, layout=f"{LAYOUT_VERSION}/{spec.fingerprint.hex()}",
+                   tenant=tenant, salt=salt)
+
+    def with_tenant(self, tenant: str) -> "Namespace":
+        return Namespace(self.model, self.kv_dtype, self.layout, tenant, self.salt)
+
+    @cached_property
+    def digest(self) -> bytes:
+        h = blake3.blake3(b"kvstore-namespace-v1")
+        for part in (self.model, self.kv_dtype, self.layout, self.tenant, self.salt):
+            data = part.encode()
+            h.update(len(data).to_bytes(4, "little") + data)
+        return h.digest(KEY_BYTES)
+
+
+def tokens_bytes(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def chain_key(namespace_digest: bytes, parent: bytes, page_tokens: Sequence[int]) -> bytes:
+    """The key of one page given its parent's key (the namespace digest for page 0)."""
+    return blake3.blake3(namespace_digest + parent + tokens_bytes(page_tokens)).digest(KEY_BYTES)
+
+
+def page_keys(namespace: Namespace, tokens: Sequence[int], page_size: int,
+              start: int = 0, parent: bytes | None = None) -> list[bytes]:
+    """Keys of the full pages of `tokens`, from page `start` on.
+
+    When start > 0, `parent` must be the key of page start-1.
+    """
+    digest = namespace.digest
+    prev = digest if start == 0 else parent
+    if prev is None:
+        raise ValueError("page_keys: parent key required when start > 0")
+    keys = []
+    for i in range(start, len(tokens) // page_size):
+        prev = chain_key(digest, prev, tokens[i * page_size:(i + 1) * page_size])
+        keys.append(prev)
+    return keys

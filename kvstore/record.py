@@ -1,0 +1,97 @@
+"""The cold page record: what one LMDB value holds.
+
+    magic "KVP1" | checksum (16 bytes, xxh3-128 of everything after it) | header length (u32 LE)
+    | header (msgpack map) | page bytes (page-first layout)
+
+Header: key, parent key, namespace digest, token ids (int32 LE bytes), spec fingerprint,
+page byte count. A record whose magic, checksum, key derivation or geometry does not hold
+is damaged: it is a miss, never served.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import msgpack
+import xxhash
+
+from kvstore.keys import chain_key
+
+MAGIC = b"KVP1"
+_PREFIX = struct.Struct("<4s16sI")  # magic, checksum, header length
+PREFIX_BYTES = _PREFIX.size
+
+
+class RecordError(ValueError):
+    """A record that cannot be trusted; the message says which check failed."""
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    key: bytes
+    parent: bytes
+    namespace: bytes
+    tokens: bytes          # int32 little-endian token ids of this page
+    spec: bytes            # KVSpec.fingerprint
+    nbytes: int            # page payload length
+
+    def pack(self) -> bytes:
+        return msgpack.packb({"k": self.key, "p": self.parent, "n": self.namespace, "t": self.tokens,
+                              "s": self.spec, "b": self.nbytes})
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "RecordHeader":
+        try:
+            m = msgpack.unpackb(data)
+            return cls(m["k"], m["p"], m["n"], m["t"], m["s"], int(m["b"]))
+        except Exception as exc:  # any decoding failure means a damaged header
+            raise RecordError(f"header does not decode ({type(exc).__name__})") from None
+
+    def key_matches(self) -> bool:
+        """The key must be the chain hash of (namespace, parent, tokens)."""
+        import numpy as np
+        return chain_key(self.namespace, self.parent, np.frombuffer(self.tokens, dtype="<i4")) == self.key
+
+
+def encode(header: RecordHeader, payload) -> list:
+    """The record as a list of buffers (avoids one copy of the payload); join for LMDB."""
+    head = header.pack()
+    body_len = struct.pack("<I", len(head))
+    h = xxhash.xxh3_128()
+    h.update(body_len)
+    h.update(head)
+    h.update(payload)
+    return [_PREFIX.pack(MAGIC, h.digest(), len(head)), head, payload]
+
+
+def encode_bytes(header: RecordHeader, payload) -> bytes:
+    return b"".join(encode(header, payload))
+
+
+def read_header(record) -> RecordHeader:
+    """Parse the header only (no checksum): cheap, for scanning a store at open."""
+    mv = memoryview(record)
+    if len(mv) < PREFIX_BYTES:
+        raise RecordError("record shorter than its prefix")
+    magic, _, hlen = _PREFIX.unpack_from(mv)
+    if magic != MAGIC:
+        raise RecordError("bad magic")
+    if PREFIX_BYTES + hlen > len(mv):
+        raise RecordError("header length past the end")
+    header = RecordHeader.unpack(bytes(mv[PREFIX_BYTES:PREFIX_BYTES + hlen]))
+    if PREFIX_BYTES + hlen + header.nbytes != len(mv):
+        raise RecordError("payload length does not match the header")
+    return header
+
+
+def decode(record) -> tuple[RecordHeader, memoryview]:
+    """Verify magic, checksum and key derivation; return the header and a view of the payload."""
+    mv = memoryview(record)
+    header = read_header(mv)
+    _, checksum, hlen = _PREFIX.unpack_from(mv)
+    if xxhash.xxh3_128(mv[PREFIX_BYTES - 4:]).digest() != checksum:
+        raise RecordError("checksum mismatch")
+    if not header.key_matches():
+        raise RecordError("key is not the chain hash of its namespace, parent and tokens")
+    return header, mv[PREFIX_BYTES + hlen:]

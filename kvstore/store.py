@@ -1,0 +1,381 @@
+"""TieredStore: the one facade the engine and the services call.
+
+Pages live in hot (DeviceTier), warm (HostTier) and cold (DiskTier), are named by hash-chained
+keys (keys.py), indexed by PageIndex (where, who holds them, how used) and moved by PageMover.
+
+A caller's life cycle: match(tokens) -> acquire(match.keys) (hot slots of the cached prefix,
+referenced) -> allocate(n) (fresh hot slots for the rest) -> fill them -> commit(tokens, slots)
+-> release(slots). Released pages stay cached (refcount 0) until evicted.
+
+Thread model: every public method takes one re-entrant lock and is synchronous. Cold-tier I/O
+happens inside it on the calling thread (the writer thread does the LMDB writes), so async
+callers go through the daemon (daemon.py), which runs these methods in worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from kvstore.config import Config
+from kvstore.errors import KVStoreError, OutOfCapacity
+from kvstore.index import PageEntry, PageIndex
+from kvstore.keys import Namespace, page_keys, tokens_bytes
+from kvstore.mover import TIERS, PageMover
+from kvstore.spec import KVSpec
+from kvstore.tiers.device import DeviceTier, resolve_device
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
+
+Listener = Callable[[str, bytes, str], None]   # (event "add" | "remove", key, tier)
+
+
+@dataclass
+class Match:
+    """The longest cached prefix of a token sequence: one key and one tier per full page."""
+
+    namespace: Namespace
+    page_size: int
+    keys: list[bytes] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.keys) * self.page_size
+
+    def counts(self) -> dict[str, int]:
+        return {t: self.tiers.count(t) for t in TIERS}
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class TieredStore:
+    def __init__(self, config: Config, spec: KVSpec | None = None, model_id: str | None = None):
+        self.config = config
+        device = resolve_device(config.hot.device)
+        self.spec = spec or config.kv_spec(device.type)
+        self.model_id = model_id or config.model
+        pool = config.hot.pool
+        pool_bytes = int(pool * free_memory_bytes(device)) if isinstance(pool, float) else pool
+        if pool_bytes < self.spec.page_bytes:
+            raise KVStoreError(f"hot.pool ({pool_bytes} bytes) is smaller than one page "
+                               f"({self.spec.describe()})")
+        self.hot = DeviceTier(self.spec, pool_bytes // self.spec.page_bytes, device)
+        self.warm = HostTier(self.spec, config.warm.bytes // self.spec.page_bytes,
+                             shared=config.warm.shared_memory)
+        self.cold = (DiskTier(config.cold_path, self.spec, config.cold.max_bytes, config.cold_map_size_max,
+                              config.cold.write_batch) if config.cold.enabled else None)
+        self.index = PageIndex()
+        self._lock = threading.RLock()
+        self._owned: set[int] = set()   # hot slots allocated to callers and not committed
+        self._listeners: list[Listener] = []
+        self._release_waiters: list[Callable[[], None]] = []
+        self.write_through_pending: list[bytes] = []
+        self.mismatched_pages = 0
+        self.mover = PageMover(self.spec, self.hot, self.warm, self.cold, self.index,
+                               config.eviction_policy, self._emit)
+        if self.cold is not None:
+            self._load_cold()
+
+    # lifecycle
+    def _load_cold(self) -> None:
+        for key, header, _ in self.cold.scan():
+            if header is None or header.spec != self.spec.fingerprint or header.nbytes != self.spec.page_bytes:
+                self.mover.unindexed.add(key)
+                continue
+            self.index.add(PageEntry(key, header.parent, header.namespace, header.tokens, cold=True))
+        self.index.compute_depths()
+
+    def close(self, persist: bool = True) -> None:
+        """Stop the store. With persist, hot and warm pages not yet in cold are written there first."""
+        with self._lock:
+            if persist and self.cold is not None:
+                pending = sorted((e for e in self.index.entries.values() if not e.cold), key=lambda e: e.depth)
+                self.mover.write_cold(pending, make_room=False)  # parents first: no orphans if cut short
+            for tier in (self.cold, self.warm, self.hot):
+                if tier is not None:
+                    tier.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def namespace(self, tenant: str = "", salt: str = "") -> Namespace:
+        return Namespace.for_spec(self.model_id, self.spec, tenant, salt)
+
+    def add_listener(self, fn: Listener) -> None:
+        """fn(event, key, tier) on every residency change; called under the lock: must not block."""
+        self._listeners.append(fn)
+
+    def _emit(self, event: str, key: bytes, tier: str) -> None:
+        for fn in self._listeners:
+            fn(event, key, tier)
+
+    # lookup
+    def match(self, tokens: Sequence[int], namespace: Namespace) -> Match:
+        """The longest prefix of full pages present in some tier, verified against the request."""
+        m = Match(namespace, self.spec.page_size)
+        ps = self.spec.page_size
+        with self._lock:
+            prev = namespace.digest
+            for i, key in enumerate(page_keys(namespace, tokens, ps)):
+                e = self.index.get(key)
+                if e is None:
+                    break
+                if e.namespace != namespace.digest or e.parent != prev or e.tokens != tokens_bytes(tokens[i * ps:(i + 1) * ps]):
+                    self.mismatched_pages += 1
+                    break
+                m.keys.append(key)
+                m.tiers.append(e.tier)
+                prev = key
+        return m
+
+    # callers' pages
+    def allocate(self, n: int) -> list[int]:
+        """n hot slots for the caller to fill, evicting unreferenced pages if needed; never oversubscribes."""
+        with self._lock:
+            if not self.mover.make_room("hot", n):
+                raise OutOfCapacity(
+                    f"out of KV capacity: {n} hot pages requested, {self.hot.pool.num_free} free of "
+                    f"{self.hot.num_pages} ({len(self._owned)} allocated, "
+                    f"{sum(1 for e in self.index.hot_slots.values() if e.refcount)} referenced)")
+            slots = self.hot.pool.alloc(n)
+            self._owned.update(slots)
+            return slots
+
+    def hot_budget(self) -> int:
+        """Hot pages a new request could get now: free plus evictable."""
+        with self._lock:
+            now = self.index.now()
+            return self.hot.pool.num_free + sum(1 for e in self.index.hot_slots.values()
+                                                if self.mover.evictable(e, "hot", now))
+
+    def commit(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int]) -> list[bytes]:
+        """Give keys to the full pages of `tokens`; slots[i] holds page i, filled by the caller.
+
+        The caller keeps holding each committed page (one reference). A page whose key is
+        already cached in hot stays the caller's private copy and is freed on release.
+        Pages committed before (by this caller) are skipped.
+        """
+        ps = self.spec.page_size
+        keys = page_keys(namespace, tokens, ps)[:len(slots)]
+        with self._lock:
+            prev = namespace.digest
+            for i, key in enumerate(keys):
+                slot, e = slots[i], self.index.get(key)
+                if slot not in self._owned:
+                    if e is None or e.hot != slot:
+                        raise KVStoreError(f"commit: hot slot {slot} is not allocated to the caller")
+                elif e is None or e.hot is None:
+                    if e is None:
+                        e = self.index.add(PageEntry(key, prev, namespace.digest,
+                                                     tokens_bytes(tokens[i * ps:(i + 1) * ps]), depth=i))
+                        if self.config.write_policy == "write_through":
+                            self.write_through_pending.append(key)
+                    self._owned.discard(slot)
+                    self.index.set_hot(e, slot)
+                    e.refcount += 1
+                    self._emit("add", key, "hot")
+                prev = key
+        return keys
+
+    def acquire(self, keys: Sequence[bytes]) -> list[int]:
+        """Hot slots holding these pages (a prefix chain), each now referenced once by the caller.
+
+        Pages in warm or cold are promoted. Stops at the first page that is gone or fails
+        verification, so the result may be shorter than `keys`.
+        """
+        slots: list[int] = []
+        with self._lock:
+            for key in keys:
+                e = self.index.get(key)
+                if e is None or not self.mover.ensure_hot(e):
+                    break
+                e.refcount += 1
+                e.hits += 1
+                self.index.touch(e)
+                slots.append(e.hot)
+        return slots
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Drop the caller's references and free its uncommitted slots; the tail ages first."""
+        with self._lock:
+            for slot in reversed(slots):
+                if slot in self._owned:
+                    self._owned.discard(slot)
+                    self.hot.pool.free([slot])
+                    continue
+                e = self.index.hot_slots.get(slot)
+                if e is None or e.refcount <= 0:
+                    raise KVStoreError(f"release: hot slot {slot} is not held")
+                e.refcount -= 1
+                self.index.touch(e)
+            waiters, self._release_waiters = self._release_waiters, []
+        for wake in waiters:
+            wake()
+
+    def on_release(self, wake: Callable[[], None]) -> None:
+        """Call wake() once, after the next release (for callers waiting for capacity)."""
+        with self._lock:
+            self._release_waiters.append(wake)
+
+    def promote(self, keys: Sequence[bytes], to: str = "warm") -> int:
+        """Prefetch a prefix chain up to "warm" or "hot" without referencing it; returns pages done."""
+        done = 0
+        with self._lock:
+            for key in keys:
+                e = self.index.get(key)
+                ok = e is not None and (self.mover.ensure_hot(e) if to == "hot" else self.mover.ensure_warm(e))
+                if not ok:
+                    break
+                done += 1
+        return done
+
+    # operator controls
+    def pin(self, keys: Iterable[bytes], ttl_s: float | None = None) -> int:
+        """Keep these pages in the tiers they are in until unpinned or ttl_s (config pin_ttl_s) passes."""
+        ttl = self.config.pin_ttl_s if ttl_s is None else ttl_s
+        with self._lock:
+            until = self.index.now() + ttl
+            found = [e for e in map(self.index.get, keys) if e is not None]
+            for e in found:
+                e.pin_until = max(e.pin_until, until)
+            return len(found)
+
+    def unpin(self, keys: Iterable[bytes]) -> int:
+        with self._lock:
+            found = [e for e in map(self.index.get, keys) if e is not None and e.pin_until]
+            for e in found:
+                e.pin_until = 0.0
+            return len(found)
+
+    def evict(self, keys: Iterable[bytes], to: str | None = None) -> int:
+        """Move pages down: out of hot (to="warm"), out of hot and warm (to="cold"), or out of the
+        store (to=None). Referenced and pinned pages are skipped; deepest pages go first."""
+        if to not in ("warm", "cold", None):
+            raise KVStoreError(f"evict: to = {to!r}: must be warm, cold or none")
+        leave = {"warm": ("hot",), "cold": ("hot", "warm"), None: ("hot", "warm", "cold")}[to]
+        with self._lock:
+            entries = sorted((e for e in map(self.index.get, keys) if e is not None), key=lambda e: -e.depth)
+            return self._evict_entries(entries, leave)
+
+    def flush(self, tier: str) -> int:
+        """Move every page that may leave `tier` one tier down (out of the store, for cold)."""
+        if tier not in TIERS:
+            raise KVStoreError(f"flush: tier = {tier!r}: must be one of {', '.join(TIERS)}")
+        with self._lock:
+            entries = sorted(self.index.in_tier(tier), key=lambda e: -e.depth)
+            return self._evict_entries(entries, (tier,))
+
+    def _evict_entries(self, entries: list[PageEntry], tiers: tuple[str, ...]) -> int:
+        moved = 0
+        for tier in tiers:
+            for e in entries:
+                in_tier = e.hot is not None if tier == "hot" else e.warm is not None if tier == "warm" else e.cold
+                if in_tier and e.key in self.index and self.mover.evictable(e, tier, self.index.now()):
+                    moved += self.mover.demote([e], tier)
+        return moved
+
+    # the daemon's periodic work
+    def rebalance(self) -> dict[str, int]:
+        """Bring each tier above its high watermark down to its low watermark; trim the index."""
+        moved = {}
+        with self._lock:
+            for tier, cfg, pool in (("hot", self.config.hot, self.hot.pool), ("warm", self.config.warm, self.warm.pool)):
+                moved[tier] = 0
+                if pool.num_slots and pool.num_used > cfg.high_watermark * pool.num_slots:
+                    target = int(cfg.low_watermark * pool.num_slots)
+                    moved[tier] = self.mover.demote(self.mover.victims(tier, pool.num_used - target), tier)
+            moved["cold"] = 0
+            if self.cold is not None and self.cold.used_bytes > self.config.cold.high_watermark * self.cold.capacity_bytes:
+                before = self.cold.num_pages
+                self.mover.make_room_cold(self.cold.used_bytes - int(self.config.cold.low_watermark
+                                                                     * self.cold.capacity_bytes))
+                moved["cold"] = before - self.cold.num_pages
+            over = len(self.index) - self.config.prefix_cache_max_entries
+            if over > 0:
+                now = self.index.now()
+                leaves = [e for e in self.index.entries.values() if not e.kids and not e.refcount and not e.pinned(now)]
+                for e in sorted(leaves, key=lambda e: e.last_access)[:over]:
+                    self._evict_entries([e], TIERS)
+        return moved
+
+    def write_through(self, limit: int = 256) -> int:
+        """Copy committed pages down now (write_through policy), so that evicting them is a free."""
+        with self._lock:
+            keys, self.write_through_pending = self.write_through_pending[:limit], self.write_through_pending[limit:]
+            entries = [e for e in map(self.index.get, keys) if e is not None and e.hot is not None]
+            to_warm = [e for e in entries if e.warm is None]
+            if to_warm and self.mover.make_room("warm", len(to_warm), {e.key for e in entries}):
+                slots = self.warm.pool.alloc(len(to_warm))
+                self.hot.save_to([e.hot for e in to_warm], self.warm, slots)
+                for e, s in zip(to_warm, slots):
+                    self.index.set_warm(e, s)
+                    self._emit("add", e.key, "warm")
+            self.mover.write_cold([e for e in entries if not e.cold], make_room=True)
+            return len(entries)
+
+    # observability
+    def stats(self) -> dict:
+        with self._lock:
+            now = self.index.now()
+            tiers = {}
+            for name, tier, cfg in (("hot", self.hot, self.config.hot), ("warm", self.warm, self.config.warm),
+                                    ("cold", self.cold, self.config.cold)):
+                entries = list(self.index.in_tier(name))
+                tiers[name] = {
+                    "capacity_bytes": tier.capacity_bytes if tier else 0,
+                    "used_bytes": tier.used_bytes if tier else 0,
+                    "pages": len(entries),
+                    "referenced_pages": sum(1 for e in entries if e.refcount),
+                    "pinned_pages": sum(1 for e in entries if e.pinned(now)),
+                    "high_watermark": cfg.high_watermark, "low_watermark": cfg.low_watermark,
+                    **self.mover.counters[name]}
+            tiers["hot"]["allocated_pages"] = len(self._owned)
+            return {"page_bytes": self.spec.page_bytes, "spec": self.spec.describe(), "tiers": tiers,
+                    "bytes_moved": dict(self.mover.bytes_moved), "entries": len(self.index),
+                    "corrupt_pages": self.mover.corrupt_pages, "mismatched_pages": self.mismatched_pages,
+                    "eviction_policy": self.mover.policy, "write_policy": self.config.write_policy}
+
+    def audit(self) -> dict:
+        """Check the index against the tiers. `problems` is empty when everything agrees."""
+        with self._lock:
+            problems = []
+            held = {s for s, e in self.index.hot_slots.items()}
+            for pool, name, slots in ((self.hot.pool, "hot", held | self._owned),
+                                      (self.warm.pool, "warm", set(self.index.warm_slots))):
+                used = {s for s in range(pool.num_slots) if pool.is_used(s)}
+                if used != slots:
+                    problems.append(f"{name}: {len(used)} slots used, {len(slots)} accounted for")
+            cold_keys = {e.key for e in self.index.in_tier("cold")}
+            if self.cold is not None and set(self.cold.sizes) != cold_keys | self.mover.unindexed:
+                problems.append("cold: records and index disagree")
+            for tier in (self.hot, self.warm, self.cold):
+                if tier is not None and tier.used_bytes > tier.capacity_bytes:
+                    problems.append(f"{tier.name}: {tier.used_bytes} bytes used > {tier.capacity_bytes}")
+            for e in self.index.entries.values():
+                if not e.residency:
+                    problems.append(f"{e.key.hex()[:12]}: indexed but in no tier")
+                if e.refcount and e.hot is None:
+                    problems.append(f"{e.key.hex()[:12]}: referenced without a hot copy")
+            return {"referenced_pages": sum(1 for e in self.index.entries.values() if e.refcount),
+                    "total_refcount": sum(e.refcount for e in self.index.entries.values()),
+                    "allocated_slots": len(self._owned), "problems": problems}

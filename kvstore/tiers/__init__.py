@@ -1,0 +1,1 @@
+"""The three tiers: hot (device.py), warm (host.py), cold (disk.py)."""

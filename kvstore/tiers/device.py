@@ -1,0 +1,111 @@
+"""The hot tier: the paged KV pool the attention kernels read, on the GPU (CPU when there is none).
+
+Layout: one tensor per layer in FlashInfer's NHD paged layout, all views of one buffer:
+    kv     [layers, pages, 2, page_size, kv_heads, head_dim]
+    layers [pages, 2, page_size, kv_heads, head_dim]  (kv[l])
+
+Rules: slots come from a SlotPool; a slot's bytes are whatever was last written. Copies to and
+from the warm tier complete before the call returns (on CUDA they run on a dedicated copy
+stream that first waits for the compute stream, and end with an event), so the caller may free
+the source slot at once. Callers hold the store lock.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.spec import KVSpec
+from kvstore.tiers.base import SlotPool, Tier, runs
+from kvstore.tiers.host import HostTier
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class DeviceTier(Tier):
+    name = "hot"
+
+    def __init__(self, spec: KVSpec, num_pages: int, device: str | torch.device = "cpu"):
+        super().__init__(spec)
+        self.device = torch.device(device)
+        self.num_pages = num_pages
+        # [layers, pages, 2, page_size, kv_heads, head_dim]
+        self.kv = torch.zeros((spec.num_layers, *spec.layer_shape(num_pages)), dtype=spec.torch_dtype,
+                              device=self.device)
+        self.layers = list(self.kv.unbind(0))
+        self.pool = SlotPool(num_pages)
+        self.on_cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_pages * self.spec.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.pool.num_used * self.spec.page_bytes
+
+    # page-first views of single pages (tests, the engine, the sidecar)
+    def read_page(self, slot: int) -> torch.Tensor:
+        """A page-first copy of one slot: [layers, 2, page_size, kv_heads, head_dim]."""
+        return self.kv[:, slot].clone()
+
+    def write_page(self, slot: int, page: torch.Tensor) -> None:
+        self.kv[:, slot].copy_(page.view(self.spec.page_shape))
+
+    def gather(self, slots: list[int]) -> torch.Tensor:
+        """Page-first copy of several slots on this device: [n, layers, 2, page_size, kv_heads, head_dim]."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return self.kv.index_select(1, idx).transpose(0, 1).contiguous()
+
+    def scatter(self, slots: list[int], pages: torch.Tensor) -> None:
+        """Write page-first pages [n, layers, ...] (any device) into slots."""
+        pages = pages.to(self.device, non_blocking=True).view(len(slots), *self.spec.page_shape)
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.kv.index_copy_(1, idx, pages.transpose(0, 1))
+
+    def save_to(self, slots: list[int], warm: HostTier, warm_slots: list[int]) -> None:
+        """Copy hot slots into warm slots (page-first)."""
+        if not slots:
+            return
+        if not self.on_cuda:
+            for s, d, n in runs(slots, warm_slots):
+                warm.pages[d:d + n].copy_(self.kv[:, s:s + n].transpose(0, 1))
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            staging = self.gather(slots)  # on-device gather at HBM speed, then one DMA per run
+            i = 0
+            for _, d, n in runs(list(range(len(slots))), warm_slots):
+                warm.pages[d:d + n].copy_(staging[i:i + n], non_blocking=True)
+                i += n
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        done.synchronize()
+
+    def load_from(self, slots: list[int], warm: HostTier, warm_slots: list[int]) -> None:
+        """Copy warm slots into hot slots."""
+        if not slots:
+            return
+        if not self.on_cuda:
+            for s, d, n in runs(warm_slots, slots):
+                self.kv[:, d:d + n].copy_(warm.pages[s:s + n].transpose(0, 1))
+            return
+        with torch.cuda.stream(self.copy_stream):
+            staging = torch.empty((len(slots), *self.spec.page_shape), dtype=self.spec.torch_dtype,
+                                  device=self.device)
+            i = 0
+            for s, _, n in runs(warm_slots, list(range(len(slots)))):
+                staging[i:i + n].copy_(warm.pages[s:s + n], non_blocking=True)
+                i += n
+            self.scatter(slots, staging)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        done.synchronize()
+
+    def close(self) -> None:
+        self.layers = []
+        self.kv = torch.empty(0)

@@ -1,0 +1,64 @@
+"""The warm tier: page-first slots in one host buffer.
+
+Layout: pages [slots, layers, 2, page_size, kv_heads, head_dim]; raw [slots, page_bytes] is the
+same memory as bytes (what the cold tier reads and writes). The buffer is pinned when CUDA is
+present (fast, async DMA to and from the hot tier), and may live in a POSIX shared-memory
+segment so another process (the sidecar's client) can map it.
+
+Rules: slots come from a SlotPool; a slot's bytes are undefined until written. Callers hold
+the store lock while they allocate, free or write slots.
+"""
+
+from __future__ import annotations
+
+from multiprocessing import shared_memory
+
+import torch
+
+from kvstore.spec import KVSpec
+from kvstore.tiers.base import SlotPool, Tier
+
+
+class HostTier(Tier):
+    name = "warm"
+
+    def __init__(self, spec: KVSpec, num_slots: int, pin: bool | None = None, shared: bool = False):
+        super().__init__(spec)
+        self.num_slots = num_slots
+        nbytes = num_slots * spec.page_bytes
+        self.shm: shared_memory.SharedMemory | None = None
+        self._registered_ptr: int | None = None
+        if shared and nbytes:
+            self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+            buf = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=nbytes)
+            if pin is None and torch.cuda.is_available():
+                torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+                self._registered_ptr = buf.data_ptr()
+        else:
+            pin = torch.cuda.is_available() if pin is None else pin
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and nbytes > 0)
+        self.raw = buf.view(num_slots, spec.page_bytes)  # [slots, page_bytes]
+        # [slots, layers, 2, page_size, kv_heads, head_dim]
+        self.pages = buf.view(spec.torch_dtype).view(num_slots, *spec.page_shape)
+        self.pool = SlotPool(num_slots)
+
+    @property
+    def shm_name(self) -> str | None:
+        return self.shm.name if self.shm else None
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.spec.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.pool.num_used * self.spec.page_bytes
+
+    def close(self) -> None:
+        self.raw = self.pages = torch.empty(0)
+        if self.shm is not None:
+            if getattr(self, "_registered_ptr", None):
+                torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            self.shm.close()
+            self.shm.unlink()
+            self.shm = None
