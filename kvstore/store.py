@@ -205,14 +205,18 @@ class TieredStore:
         """
         slots: list[int] = []
         with self._lock:
-            for key in keys:
-                e = self.index.get(key)
-                if e is None or not self.mover.ensure_hot(e):
-                    break
-                e.refcount += 1
-                e.hits += 1
-                self.index.touch(e)
-                slots.append(e.hot)
+            try:
+                for key in keys:
+                    e = self.index.get(key)
+                    if e is None or not self.mover.ensure_hot(e):
+                        break
+                    e.refcount += 1
+                    e.hits += 1
+                    self.index.touch(e)
+                    slots.append(e.hot)
+            except OutOfCapacity:
+                self.release(slots)  # all or nothing: no reference survives a failed acquire
+                raise
         return slots
 
     def release(self, slots: Sequence[int]) -> None:
@@ -322,7 +326,7 @@ class TieredStore:
         """Copy committed pages down now (write_through policy), so that evicting them is a free."""
         with self._lock:
             keys, self.write_through_pending = self.write_through_pending[:limit], self.write_through_pending[limit:]
-            entries = [e for e in map(self.index.get, keys) if e is not None and e.hot is not None]
+            entries = [e for e in map(self.index.get, dict.fromkeys(keys)) if e is not None and e.hot is not None]
             to_warm = [e for e in entries if e.warm is None]
             if to_warm and self.mover.make_room("warm", len(to_warm), {e.key for e in entries}):
                 slots = self.warm.pool.alloc(len(to_warm))

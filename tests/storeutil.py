@@ -1,0 +1,56 @@
+"""Helpers shared by the store tests: a small real store on the tiny geometry."""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.config import load_config
+from kvstore.record import PREFIX_BYTES
+from kvstore.spec import KVSpec
+from kvstore.store import TieredStore
+
+SPEC = KVSpec(2, 2, 16, "float32", 16)  # 8 KiB pages
+RECORD_BYTES = SPEC.page_bytes + PREFIX_BYTES + 256  # a cold record, header included (upper bound)
+
+
+def make_config(data_dir, hot=8, warm=8, cold=32, **overrides):
+    """Tier sizes in pages."""
+    values = {"data_dir": str(data_dir), "model": "tiny", "kv_dtype": "float32", "hot.device": "cpu",
+              "hot.pool": str(hot * SPEC.page_bytes), "warm.bytes": str(warm * SPEC.page_bytes),
+              "cold.max_bytes": str(cold * RECORD_BYTES)}
+    values.update({k: str(v) for k, v in overrides.items()})
+    return load_config(env={}, overrides=values)
+
+
+def make_store(data_dir, **kw) -> TieredStore:
+    return TieredStore(make_config(data_dir, **kw))
+
+
+def page_content(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SPEC.page_shape, generator=g)
+
+
+def tokens_for(doc: int, pages: int) -> list[int]:
+    """Deterministic token ids: document `doc`, `pages` full pages."""
+    return [(doc * 7919 + i * 31) % 500 for i in range(pages * SPEC.page_size)]
+
+
+def fill_and_commit(store: TieredStore, ns, tokens: list[int], start: int = 0):
+    """Compute (here: write deterministic content for) the pages after the cached prefix; returns
+    (all slots held, keys). Content of page i depends only on its key, as real KV would."""
+    m = store.match(tokens, ns)
+    held = store.acquire(m.keys)
+    n = len(tokens) // SPEC.page_size - len(held)
+    fresh = store.allocate(n) if n > 0 else []
+    slots = held + fresh
+    from kvstore.keys import page_keys
+    keys = page_keys(ns, tokens, SPEC.page_size)
+    for i, slot in enumerate(fresh, start=len(held)):
+        store.hot.write_page(slot, page_content(int.from_bytes(keys[i][:4], "little")))
+    store.commit(ns, tokens, slots)
+    return slots, keys
+
+
+def expected_page(key: bytes) -> torch.Tensor:
+    return page_content(int.from_bytes(key[:4], "little"))
