@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import ConfigError
@@ -29,6 +29,9 @@ class ModelShape:
     rope_theta: float = 10000.0
     max_position: int = 4096
     architecture: str = "LlamaForCausalLM"
+    rms_norm_eps: float = 1e-5
+    rope_scaling: dict | None = field(default=None, compare=False, hash=False)  # e.g. Llama-3's "llama3"
+    sliding_window: int | None = None
 
     @property
     def num_params(self) -> int:
@@ -79,6 +82,14 @@ def from_hf_config(path: str | Path) -> ModelShape:
     archs = cfg.get("architectures") or ["LlamaForCausalLM"]
     if archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ConfigError("model", archs[0], f"architecture must be one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+    # transformers 5 writes rope_parameters; earlier versions rope_theta and rope_scaling
+    rope = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "default", None):
+        raise ConfigError("model", str(file), f"rope scaling {scaling.get('rope_type', scaling.get('type'))!r} "
+                          "is not supported (supported: llama3)")
+    if cfg.get("mlp_bias") or (archs[0] != "Qwen2ForCausalLM" and cfg.get("attention_bias")):
+        raise ConfigError("model", str(file), "attention or MLP biases are supported only as in Qwen2")
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -93,9 +104,12 @@ def from_hf_config(path: str | Path) -> ModelShape:
             vocab_size=int(cfg["vocab_size"]),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=archs[0] == "Qwen2ForCausalLM",
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             max_position=int(cfg.get("max_position_embeddings", 4096)),
             architecture=archs[0],
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_scaling=scaling,
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
         )
     except KeyError as exc:
         raise ConfigError("model", str(file), f"config.json lacks {exc.args[0]}") from None

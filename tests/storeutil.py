@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvstore.config import load_config
@@ -9,13 +11,15 @@ from kvstore.record import PREFIX_BYTES
 from kvstore.spec import KVSpec
 from kvstore.store import TieredStore
 
+# TEST_HOT_DEVICE=cuda runs the store tests with the hot tier on the GPU.
+HOT_DEVICE = os.environ.get("TEST_HOT_DEVICE", "cpu")
 SPEC = KVSpec(2, 2, 16, "float32", 16)  # 8 KiB pages
 RECORD_BYTES = SPEC.page_bytes + PREFIX_BYTES + 256  # a cold record, header included (upper bound)
 
 
 def make_config(data_dir, hot=8, warm=8, cold=32, **overrides):
     """Tier sizes in pages."""
-    values = {"data_dir": str(data_dir), "model": "tiny", "kv_dtype": "float32", "hot.device": "cpu",
+    values = {"data_dir": str(data_dir), "model": "tiny", "kv_dtype": "float32", "hot.device": HOT_DEVICE,
               "hot.pool": str(hot * SPEC.page_bytes), "warm.bytes": str(warm * SPEC.page_bytes),
               "cold.max_bytes": str(cold * RECORD_BYTES)}
     values.update({k: str(v) for k, v in overrides.items()})

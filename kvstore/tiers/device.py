@@ -50,8 +50,8 @@ class DeviceTier(Tier):
 
     # page-first views of single pages (tests, the engine, the sidecar)
     def read_page(self, slot: int) -> torch.Tensor:
-        """A page-first copy of one slot: [layers, 2, page_size, kv_heads, head_dim]."""
-        return self.kv[:, slot].clone()
+        """A page-first copy of one slot in host memory: [layers, 2, page_size, kv_heads, head_dim]."""
+        return self.kv[:, slot].to("cpu", copy=True)
 
     def write_page(self, slot: int, page: torch.Tensor) -> None:
         self.kv[:, slot].copy_(page.view(self.spec.page_shape))
@@ -75,8 +75,9 @@ class DeviceTier(Tier):
             for s, d, n in runs(slots, warm_slots):
                 warm.pages[d:d + n].copy_(self.kv[:, s:s + n].transpose(0, 1))
             return
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.copy_stream.wait_stream(compute)  # the page's last writes are on the compute stream
             staging = self.gather(slots)  # on-device gather at HBM speed, then one DMA per run
             i = 0
             for _, d, n in runs(list(range(len(slots))), warm_slots):
@@ -94,7 +95,9 @@ class DeviceTier(Tier):
             for s, d, n in runs(warm_slots, slots):
                 self.kv[:, d:d + n].copy_(warm.pages[s:s + n].transpose(0, 1))
             return
+        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_stream(compute)  # earlier readers of these slots come first
             staging = torch.empty((len(slots), *self.spec.page_shape), dtype=self.spec.torch_dtype,
                                   device=self.device)
             i = 0

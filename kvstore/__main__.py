@@ -1,0 +1,7 @@
+"""`python -m kvstore` is the `kvstore` command."""
+
+import sys
+
+from kvstore.cli import main
+
+sys.exit(main())

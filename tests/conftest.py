@@ -1,0 +1,33 @@
+"""Shared test helpers: markers, and running the `kvstore` command in a child process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than a few seconds; deselect with -m 'not slow'")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The current environment without KVSTORE_* variables, able to import this checkout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def kvstore_cli():
+    """Run `python -m kvstore ARGS...` in a child process; returns the CompletedProcess."""
+    def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
+        return subprocess.run([sys.executable, "-m", "kvstore", *map(str, args)], capture_output=True,
+                              text=True, env=clean_env(**(env or {})), cwd=cwd or REPO, timeout=120)
+    return run

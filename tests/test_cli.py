@@ -1,0 +1,89 @@
+"""The `kvstore` command: help for every command, not-built commands, one-line errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from kvstore.cli import NOT_BUILT, main
+
+COMMANDS = ["plan", "config", "fsck", "bench", *NOT_BUILT]
+
+
+def _available(command: str) -> bool:
+    return command not in ("fsck", "bench") or importlib.util.find_spec(f"kvstore.{command}") is not None
+
+
+def test_top_level_help_names_every_command(kvstore_cli):
+    out = kvstore_cli("--help")
+    assert out.returncode == 0, out.stderr
+    for command in COMMANDS:
+        assert f"\n    {command} " in out.stdout, command
+    assert "KVSTORE_" in out.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_command_help(command, capsys):
+    if not _available(command):
+        pytest.skip(f"kvstore.{command} is not in this tree yet")
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: kvstore {command}")
+
+
+@pytest.mark.parametrize("command", [c for c in NOT_BUILT if c != "serve"])
+def test_not_built_commands_say_so(command, capsys):
+    assert main([command]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvstore {command}: not built yet in this version") and err.count("\n") == 1
+
+
+def test_serve_is_not_built_yet(kvstore_cli):
+    out = kvstore_cli("serve", "--model", "tiny")
+    assert out.returncode == 2
+    assert out.stderr.startswith("kvstore serve: not built yet in this version (")
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_version(capsys):
+    from kvstore import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"kvstore {__version__}"
+
+
+def test_no_command_is_a_usage_error(capsys):
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_user_error_in_process_is_one_line(capsys, monkeypatch):
+    for name in [n for n in os.environ if n.startswith("KVSTORE_")]:
+        monkeypatch.delenv(name)
+    assert main(["config", "--set", "page_size=12"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvstore: error: page_size") and err.count("\n") == 1
+
+
+def test_a_command_module_that_cannot_be_imported_is_reported(monkeypatch, capsys):
+    import kvstore.cli
+
+    real = kvstore.cli.importlib.import_module
+
+    def import_module(name):
+        if name == "kvstore.bench":
+            raise ImportError("No module named 'lmdb'")
+        return real(name)
+
+    monkeypatch.setattr(kvstore.cli.importlib, "import_module", import_module)
+    assert main(["bench", "tiers", "--pages", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "kvstore bench: unavailable in this build (kvstore.bench cannot be imported: " \
+                  "No module named 'lmdb')\n"

@@ -1,0 +1,371 @@
+"""DiskTier (cold tier) against a real LMDB in a temp dir: durability, limits, map growth, damage."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+
+from kvstore import record
+from kvstore.errors import KVStoreError
+from kvstore.keys import Namespace, page_keys, tokens_bytes
+from kvstore.record import RecordHeader
+from kvstore.spec import KVSpec
+from kvstore.tiers.disk import PAGES_DB, DiskTier
+
+REPO = Path(__file__).resolve().parents[2]
+SPEC = KVSpec(2, 2, 16, "float32", 16)  # 8 KiB pages
+NS = Namespace.for_spec("test-model", SPEC)
+MiB = 1 << 20
+
+
+class Pages:
+    """A chain of n pages of one sequence: headers and seeded payloads."""
+
+    def __init__(self, n: int, seed: int = 0, spec: KVSpec = SPEC, ns: Namespace = NS):
+        rng = np.random.default_rng(seed)
+        tokens = rng.integers(0, 32000, n * spec.page_size).tolist()
+        self.keys = page_keys(ns, tokens, spec.page_size)
+        self.headers, parent = [], ns.digest
+        for i, key in enumerate(self.keys):
+            toks = tokens_bytes(tokens[i * spec.page_size:(i + 1) * spec.page_size])
+            self.headers.append(RecordHeader(key, parent, ns.digest, toks, spec.fingerprint, spec.page_bytes))
+            parent = key
+        self.payloads = [torch.from_numpy(rng.integers(0, 256, spec.page_bytes, dtype=np.uint8))
+                         for _ in range(n)]
+        self.spec, self.ns = spec, ns
+
+    def items(self, sl: slice = slice(None)):
+        return list(zip(self.headers[sl], self.payloads[sl]))
+
+    def record_len(self, i: int) -> int:
+        return len(record.encode_bytes(self.headers[i], self.payloads[i].numpy()))
+
+    def read(self, tier: DiskTier, i: int, out: torch.Tensor | None = None) -> tuple[bool, torch.Tensor]:
+        out = torch.zeros(self.spec.page_bytes, dtype=torch.uint8) if out is None else out
+        h = self.headers[i]
+        return tier.read(h.key, self.ns.digest, h.tokens, self.spec.fingerprint, out), out
+
+
+def open_tier(path, max_bytes=64 * MiB, map_size_max=256 * MiB, **kw) -> DiskTier:
+    return DiskTier(str(path), SPEC, max_bytes=max_bytes, map_size_max=map_size_max, **kw)
+
+
+def raw_update(path, fn) -> None:
+    """Run fn(txn, pages_db) in a raw LMDB write transaction (the tier must be closed)."""
+    env = lmdb.open(str(path), max_dbs=2, map_size=256 * MiB)
+    try:
+        db = env.open_db(PAGES_DB)
+        with env.begin(write=True, db=db) as txn:
+            fn(txn, db)
+    finally:
+        env.close()
+
+
+def flip(txn, key: bytes, offset: int) -> None:
+    value = bytearray(txn.get(key))
+    value[offset] ^= 0x40
+    txn.put(key, bytes(value))
+
+
+def test_put_read_round_trip_is_byte_identical(tmp_path):
+    pages = Pages(8)
+    with open_tier(tmp_path / "cold") as tier:
+        items = pages.items()
+        items[1] = (items[1][0], items[1][1].numpy())              # numpy payload
+        items[2] = (items[2][0], items[2][1].numpy().tobytes())    # bytes payload
+        assert tier.put_many(items).result(timeout=10) is None
+        assert tier.num_pages == 8 and all(k in tier for k in pages.keys)
+        assert tier.used_bytes == sum(pages.record_len(i) for i in range(8)) == sum(tier.sizes.values())
+        for i in range(8):
+            ok, out = pages.read(tier, i)
+            assert ok and torch.equal(out, pages.payloads[i])
+        outs = [np.zeros(SPEC.page_bytes, np.uint8) for _ in range(3)]
+        reqs = [(pages.keys[i], NS.digest, pages.headers[i].tokens, SPEC.fingerprint, outs[j])
+                for j, i in enumerate([5, 0, 7])]
+        assert tier.read_many(reqs) == [True, True, True]
+        assert np.array_equal(outs[0], pages.payloads[5].numpy())
+        assert tier.corrupt == 0 and tier.missing == 0
+
+
+def test_bfloat16_tensor_payload(tmp_path):
+    spec = KVSpec(2, 2, 16, "bfloat16", 16)
+    pages = Pages(2, spec=spec, ns=Namespace.for_spec("m", spec))
+    page = torch.randn(spec.page_shape).to(torch.bfloat16)      # [layers, 2, page_size, kv_heads, head_dim]
+    with DiskTier(str(tmp_path / "c"), spec, 16 * MiB, 32 * MiB) as tier:
+        tier.put_many([(pages.headers[0], page)]).result(timeout=10)
+        out = torch.empty(spec.page_shape, dtype=torch.bfloat16)
+        h = pages.headers[0]
+        assert tier.read(h.key, pages.ns.digest, h.tokens, spec.fingerprint, out)
+        assert torch.equal(out, page)
+
+
+READER_SCRIPT = """
+import hashlib, json, sys
+import numpy as np
+from kvstore.spec import KVSpec
+from kvstore.tiers.disk import DiskTier
+spec = KVSpec(2, 2, 16, "float32", 16)
+out = np.empty(spec.page_bytes, np.uint8)
+found = {}
+with DiskTier(sys.argv[1], spec, max_bytes=64 << 20, map_size_max=256 << 20) as tier:
+    for key, header, length in tier.scan():
+        assert header is not None and header.key == key and tier.sizes[key] == length
+        ok = tier.read(key, header.namespace, header.tokens, spec.fingerprint, out)
+        found[key.hex()] = hashlib.sha256(out).hexdigest() if ok else None
+print(json.dumps(found))
+"""
+
+
+def test_reopen_in_new_process_finds_every_page(tmp_path):
+    pages = Pages(40, seed=3)
+    path = tmp_path / "cold"
+    with open_tier(path, write_batch=4) as tier:
+        futures = [tier.put_many(pages.items(slice(i, i + 5))) for i in range(0, 40, 5)]
+        # close() must commit what is still queued
+    assert all(f.done() and f.exception() is None for f in futures)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", READER_SCRIPT, str(path)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    expected = {k.hex(): hashlib.sha256(p.numpy()).hexdigest() for k, p in zip(pages.keys, pages.payloads)}
+    assert found == expected
+
+
+def test_byte_limit_refuses_before_writing(tmp_path):
+    pages = Pages(6)
+    size = pages.record_len(0)
+    path = tmp_path / "cold"
+    with open_tier(path, max_bytes=4 * size + size // 2) as tier:
+        tier.put_many(pages.items(slice(0, 2))).result(timeout=10)
+        pending = tier.put_many(pages.items(slice(2, 4)))         # queued bytes count too
+        with pytest.raises(KVStoreError, match="max_bytes"):
+            tier.put_many(pages.items(slice(4, 5)))
+        pending.result(timeout=10)
+        with pytest.raises(KVStoreError, match="max_bytes"):
+            tier.put_many(pages.items(slice(4, 6)))
+        tier.put_many(pages.items(slice(0, 1))).result(timeout=10)  # rewriting a stored page adds nothing
+        assert tier.num_pages == 4 and tier.used_bytes == 4 * size and tier.pending_bytes == 0
+        tier.delete_many(pages.keys[:1]).result(timeout=10)         # making room is the caller's job
+        tier.put_many(pages.items(slice(4, 5))).result(timeout=10)
+        assert tier.used_bytes == 4 * size
+    with open_tier(path) as tier:
+        assert set(tier.sizes) == set(pages.keys[1:5])
+
+
+def test_map_grows_from_a_tiny_start(tmp_path):
+    pages = Pages(600, seed=1)           # ~5 MiB of records into a 1 MiB map
+    with open_tier(tmp_path / "cold", map_size_initial=MiB) as tier:
+        assert tier.map_size == MiB
+        futures = [tier.put_many(pages.items(slice(i, i + 50))) for i in range(0, 600, 50)]
+        for f in futures:
+            f.result(timeout=30)
+        one = tier.put_many(pages.items(slice(0, 600)))   # one transaction larger than the whole map was
+        one.result(timeout=30)
+        assert tier.map_size > MiB and tier.map_grows >= 2
+        assert tier.num_pages == 600
+        for i in (0, 299, 599):
+            ok, out = pages.read(tier, i)
+            assert ok and torch.equal(out, pages.payloads[i])
+
+
+def test_small_records_grow_the_map_after_map_full(tmp_path):
+    # 2 KiB pages land in one 4 KiB overflow page each: the ahead-of-time estimate is short,
+    # so the write meets MapFullError, grows the map and retries the transaction.
+    spec = KVSpec(1, 1, 16, "float32", 16)
+    pages = Pages(1000, spec=spec, ns=Namespace.for_spec("m", spec))
+    with DiskTier(str(tmp_path / "c"), spec, 64 * MiB, 64 * MiB, map_size_initial=MiB) as tier:
+        tier.put_many(pages.items()).result(timeout=30)
+        assert tier.num_pages == 1000 and tier.map_size >= 4 * MiB
+
+
+def test_map_cap_gives_a_clear_error(tmp_path):
+    pages = Pages(400, seed=2)           # ~3.3 MiB of records, cap 2 MiB
+    with open_tier(tmp_path / "cold", max_bytes=64 * MiB, map_size_max=2 * MiB, map_size_initial=MiB) as tier:
+        tier.put_many(pages.items(slice(0, 10))).result(timeout=10)
+        fut = tier.put_many(pages.items(slice(10, 400)))
+        with pytest.raises(KVStoreError, match=r"cold tier map is full at 2097152 bytes \(cold.map_size_max\)"):
+            fut.result(timeout=30)
+        assert tier.num_pages == 10 and tier.pending_bytes == 0     # nothing of the failed batch
+        tier.put_many(pages.items(slice(10, 12))).result(timeout=10)  # the tier still works
+        ok, out = pages.read(tier, 11)
+        assert ok and torch.equal(out, pages.payloads[11])
+
+
+def test_one_failing_request_does_not_sink_its_batch(tmp_path):
+    pages = Pages(400, seed=4)
+    with open_tier(tmp_path / "cold", max_bytes=64 * MiB, map_size_max=2 * MiB, map_size_initial=2 * MiB,
+                   write_batch=64) as tier:
+        big = tier.put_many(pages.items(slice(0, 390)))       # cannot fit the 2 MiB cap
+        small = [tier.put_many(pages.items(slice(i, i + 1))) for i in range(390, 400)]
+        with pytest.raises(KVStoreError):
+            big.result(timeout=30)
+        for f in small:
+            assert f.result(timeout=30) is None
+        assert set(tier.sizes) == set(pages.keys[390:400])
+
+
+def test_damaged_records_read_as_misses(tmp_path):
+    pages = Pages(6)
+    path = tmp_path / "cold"
+    with open_tier(path) as tier:
+        tier.put_many(pages.items()).result(timeout=10)
+
+    def damage(txn, db):
+        flip(txn, pages.keys[0], -100)                     # payload byte
+        flip(txn, pages.keys[1], 10)                       # checksum byte
+        flip(txn, pages.keys[2], record.PREFIX_BYTES + 5)  # header byte
+        txn.put(pages.keys[3], txn.get(pages.keys[4]))     # a sound record under another key
+    raw_update(path, damage)
+
+    with open_tier(path) as tier:
+        for i in range(4):
+            sentinel = torch.full((SPEC.page_bytes,), 7, dtype=torch.uint8)
+            ok, out = pages.read(tier, i, sentinel)
+            assert not ok
+            assert torch.all(out == 7)                     # nothing copied from a damaged record
+            assert tier.corrupt == i + 1
+            assert pages.keys[i].hex() in tier.last_error
+        assert "checksum" in tier.last_error or "another key" in tier.last_error
+        for i in (4, 5):
+            ok, out = pages.read(tier, i)
+            assert ok and torch.equal(out, pages.payloads[i])
+        assert tier.corrupt == 4 and tier.missing == 0
+        headers = {k: h for k, h, _ in tier.scan()}
+        assert len(headers) == 6
+
+
+def test_header_mismatch_reads_as_miss(tmp_path):
+    pages = Pages(2)
+    with open_tier(tmp_path / "cold") as tier:
+        tier.put_many(pages.items()).result(timeout=10)
+        h = pages.headers[1]
+        out = torch.zeros(SPEC.page_bytes, dtype=torch.uint8)
+        other_ns = Namespace.for_spec("test-model", SPEC, tenant="someone-else").digest
+        other_tokens = tokens_bytes([1] * SPEC.page_size)
+        other_spec = KVSpec(2, 2, 16, "float16", 32).fingerprint
+        assert not tier.read(h.key, other_ns, h.tokens, SPEC.fingerprint, out)
+        assert "namespace" in tier.last_error
+        assert not tier.read(h.key, NS.digest, other_tokens, SPEC.fingerprint, out)
+        assert "tokens" in tier.last_error
+        assert not tier.read(h.key, NS.digest, h.tokens, other_spec, out)
+        assert "geometry" in tier.last_error
+        assert tier.corrupt == 3 and not out.any()
+        assert tier.read(h.key, NS.digest, h.tokens, SPEC.fingerprint, out)
+
+        # the same bytes stored under a header that claims another geometry
+        spec2 = KVSpec(2, 2, 16, "float16", 32)          # same page bytes, other fingerprint
+        assert spec2.page_bytes == SPEC.page_bytes
+        foreign = RecordHeader(h.key, h.parent, h.namespace, h.tokens, spec2.fingerprint, SPEC.page_bytes)
+        tier.put_many([(foreign, pages.payloads[1])]).result(timeout=10)
+        assert not tier.read(h.key, NS.digest, h.tokens, SPEC.fingerprint, out)
+        assert tier.corrupt == 4
+
+
+def test_missing_key_is_a_miss_not_corruption(tmp_path):
+    pages = Pages(1)
+    with open_tier(tmp_path / "cold") as tier:
+        ok, _ = pages.read(tier, 0)
+        assert not ok and tier.missing == 1 and tier.corrupt == 0
+        with pytest.raises(ValueError):
+            tier.read(pages.keys[0], NS.digest, pages.headers[0].tokens, SPEC.fingerprint,
+                      torch.zeros(10, dtype=torch.uint8))
+
+
+def test_delete(tmp_path):
+    pages = Pages(5)
+    path = tmp_path / "cold"
+    with open_tier(path) as tier:
+        tier.put_many(pages.items()).result(timeout=10)
+        before = tier.used_bytes
+        tier.delete_many([pages.keys[1], pages.keys[3], b"\0" * 32]).result(timeout=10)  # unknown key ignored
+        assert pages.keys[1] not in tier and tier.num_pages == 3
+        assert tier.used_bytes == before - pages.record_len(1) - pages.record_len(3)
+        assert not pages.read(tier, 1)[0] and pages.read(tier, 2)[0]
+    with open_tier(path) as tier:
+        assert {k for k, _, _ in tier.scan()} == {pages.keys[i] for i in (0, 2, 4)}
+
+
+def test_scan_reports_unparsable_records(tmp_path):
+    pages = Pages(3)
+    path = tmp_path / "cold"
+    with open_tier(path) as tier:
+        tier.put_many(pages.items()).result(timeout=10)
+    raw_update(path, lambda txn, db: txn.put(pages.keys[2], b"garbage"))
+    with open_tier(path) as tier:
+        scanned = {k: (h, n) for k, h, n in tier.scan()}
+        assert scanned[pages.keys[2]] == (None, 7)
+        assert scanned[pages.keys[0]][0] == pages.headers[0]
+
+
+def test_scan_spans_many_chunks(tmp_path):
+    pages = Pages(2500, seed=5)
+    with open_tier(tmp_path / "cold") as tier:
+        tier.put_many(pages.items()).result(timeout=30)
+        keys = [k for k, _, _ in tier.scan()]
+        assert len(keys) == 2500 and set(keys) == set(pages.keys)
+
+
+def test_close_commits_queued_writes_and_is_idempotent(tmp_path):
+    pages = Pages(50)
+    path = tmp_path / "cold"
+    tier = open_tier(path, write_batch=3)
+    futures = [tier.put_many(pages.items(slice(i, i + 1))) for i in range(50)]
+    tier.close()
+    tier.close()
+    assert all(f.done() and f.exception() is None for f in futures)
+    with pytest.raises(KVStoreError, match="closed"):
+        tier.put_many(pages.items(slice(0, 1)))
+    with pytest.raises(KVStoreError, match="closed"):
+        pages.read(tier, 0)
+    with open_tier(path) as tier:
+        assert tier.num_pages == 50
+
+
+def test_concurrent_reads_while_writes_grow_the_map(tmp_path):
+    first, more = Pages(64, seed=6), Pages(800, seed=7)
+    with open_tier(tmp_path / "cold", map_size_initial=MiB) as tier:
+        tier.put_many(first.items()).result(timeout=10)
+        errors: list[BaseException] = []
+        stop = threading.Event()
+        counts = [0] * 4
+
+        def reader(n: int) -> None:
+            out = torch.empty(SPEC.page_bytes, dtype=torch.uint8)
+            try:
+                while not stop.is_set():
+                    i = counts[n] % 64
+                    ok, _ = first.read(tier, i, out)
+                    assert ok, tier.last_error
+                    assert torch.equal(out, first.payloads[i])
+                    counts[n] += 1
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            futures = [tier.put_many(more.items(slice(i, i + 20))) for i in range(0, 800, 20)]
+            for f in futures:
+                f.result(timeout=60)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
+        assert not errors, errors[0]
+        assert all(c > 0 for c in counts)
+        assert tier.map_grows >= 2 and tier.num_pages == 864
+        for i in (0, 400, 799):
+            ok, out = more.read(tier, i)
+            assert ok and torch.equal(out, more.payloads[i])
