@@ -29,28 +29,24 @@ Rules:
 
 from __future__ import annotations
 
-import ctypes
 import os
-import platform
 import queue
 import threading
 import types
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import lmdb
 import numpy as np
-import torch
 
 from kvstore import record
 from kvstore.errors import KVStoreError
 from kvstore.record import RecordError, RecordHeader
 from kvstore.spec import KVSpec
 from kvstore.tiers.base import Tier
+from kvstore.tiers.buffers import MiB, RemapLock, as_byte_array, as_byte_view, keep_write_buffers, round_up
 
-MiB = 1 << 20
 PAGES_DB = b"pages"
 QUARANTINE_DB = b"quarantine"
 _SCAN_CHUNK = 1024  # records read per read transaction in scan()
@@ -68,109 +64,6 @@ def data_file_size(path: str) -> int:
         return os.path.getsize(os.path.join(path, "data.mdb"))
     except OSError:
         return 0
-
-
-_malloc_tuned = {"mmap": 0, "trim": 0}
-
-
-def keep_write_buffers(record_bytes: int, txn_bytes: int) -> None:
-    """Let glibc keep the memory of LMDB's write buffers between transactions.
-
-    Without writemap, LMDB mallocs a dirty copy of every value (one record) in a write
-    transaction and frees it at commit. glibc then returns that heap to the kernel, so
-    each transaction page-faults its whole size in again: measured 2-3x slower writes of
-    2 MiB pages. Raising the mmap and trim thresholds (process-wide, only ever upwards,
-    the trim threshold at most 1 GiB) keeps the buffers of a `txn_bytes` transaction,
-    and values of `record_bytes`, on the heap for reuse. The writer is not the main
-    thread, so its heaps are per-thread arenas, which glibc unmaps whole once empty
-    unless the top pad is at least a heap (64 MiB); the pad is address space, not memory.
-    """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return
-    mmap_threshold = min(32 * MiB, max(4 * MiB, _round_up(2 * record_bytes)))
-    trim_threshold = min(1 << 30, max(256 * MiB, _round_up(2 * txn_bytes)))
-    if mmap_threshold <= _malloc_tuned["mmap"] and trim_threshold <= _malloc_tuned["trim"]:
-        return
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        return
-    mmap_threshold = max(mmap_threshold, _malloc_tuned["mmap"])
-    trim_threshold = max(trim_threshold, _malloc_tuned["trim"])
-    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-    if (mallopt(M_MMAP_THRESHOLD, mmap_threshold) and mallopt(M_TRIM_THRESHOLD, trim_threshold)
-            and mallopt(M_TOP_PAD, 64 * MiB)):
-        _malloc_tuned.update(mmap=mmap_threshold, trim=trim_threshold)
-
-
-def _round_up(n: int, to: int = MiB) -> int:
-    return -(-n // to) * to
-
-
-def as_byte_view(payload) -> memoryview:
-    """A flat byte view of a CPU tensor, numpy array or any contiguous buffer (no copy)."""
-    if isinstance(payload, torch.Tensor):
-        if payload.device.type != "cpu" or not payload.is_contiguous():
-            raise ValueError("page payload must be a contiguous CPU tensor")
-        payload = payload.detach().reshape(-1).view(torch.uint8).numpy()
-    view = memoryview(payload)
-    if not view.c_contiguous:
-        raise ValueError("page payload must be contiguous")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def as_byte_array(out) -> np.ndarray:
-    """A writable flat uint8 numpy view of `out` (CPU tensor, numpy array or writable buffer)."""
-    if isinstance(out, torch.Tensor):
-        if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError("read target must be a contiguous CPU tensor")
-        arr = out.detach().reshape(-1).view(torch.uint8).numpy()
-    elif isinstance(out, np.ndarray):
-        if not out.flags.c_contiguous:
-            raise ValueError("read target must be a contiguous array")
-        arr = out.reshape(-1).view(np.uint8)
-    else:
-        arr = np.frombuffer(out, dtype=np.uint8)
-    if not arr.flags.writeable:
-        raise ValueError("read target is not writable")
-    return arr
-
-
-class _RemapLock:
-    """Shared for transactions, exclusive for set_mapsize (which invalidates all of them)."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._exclusive = False
-
-    @contextmanager
-    def shared(self):
-        with self._cond:
-            while self._exclusive:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self):
-        with self._cond:
-            while self._exclusive:
-                self._cond.wait()
-            self._exclusive = True  # new readers wait from here on
-            while self._readers:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
 
 
 @dataclass
@@ -194,14 +87,14 @@ class DiskTier(Tier):
             raise ValueError("max_bytes must be positive")
         self.path = os.fspath(path)
         self.max_bytes = max_bytes
-        self.map_size_max = _round_up(map_size_max or 2 * max_bytes)
+        self.map_size_max = round_up(map_size_max or 2 * max_bytes)
         self.write_batch = max(1, write_batch)
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:
             raise KVStoreError(f"cannot create the cold tier directory {self.path}: {exc}") from None
-        self.map_size = max(_round_up(min(self.map_size_max, map_size_initial)),
-                            _round_up(data_file_size(self.path)))
+        self.map_size = max(round_up(min(self.map_size_max, map_size_initial)),
+                            round_up(data_file_size(self.path)))
         try:
             self._env = open_env(self.path, self.map_size)
         except lmdb.Error as exc:
@@ -231,7 +124,7 @@ class DiskTier(Tier):
         self._closed = False
         self._load_sizes()
 
-        self._remap = _RemapLock()
+        self._remap = RemapLock()
         self._scratch = bytearray(0)  # the writer thread's record buffer
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-cold-writer", daemon=True)
