@@ -1,4 +1,7 @@
-"""The decoding engine: Llama-family models, paged attention backends, scheduler, OpenAI API.
+"""The decoding engine: Llama-family models over kvstore's tiered KV cache."""
 
-Not built yet in this version (see README, "Status"); `kvstore serve` will run it.
-"""
+from engine.llm import LLM, AsyncLLM
+from engine.request import QueueFull, RequestOutput
+from engine.sampler import InvalidRequest, SamplingParams
+
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "InvalidRequest", "QueueFull"]

@@ -151,6 +151,48 @@ class DaemonConfig:
     interval_s: float = opt(0.05, _float, "seconds > 0", lambda v: v > 0)
 
 
+def _quotas(v: Any) -> dict[str, int]:
+    """tenant -> hot pages: a YAML mapping, or 'a=100,b=50' from the environment or --set."""
+    if isinstance(v, str):
+        v = dict(item.split("=", 1) for item in v.split(",") if item.strip()) if v.strip() else {}
+    if not isinstance(v, dict):
+        raise ValueError
+    return {str(k).strip(): _int(n) for k, n in v.items()}
+
+
+ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULER_POLICIES = ("fcfs", "priority", "preemptive")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = opt("auto", _str, f"one of {', '.join(ENGINE_DTYPES)} (auto: bfloat16 on GPU, float32 on CPU)",
+                     lambda v: v in ENGINE_DTYPES)
+    attention_backend: str = opt("auto", _str, "auto, flashinfer or torch",
+                                 lambda v: v in ("auto", "flashinfer", "torch"))
+    max_batch_tokens: int = opt(8192, _int, "an integer >= 1", lambda v: v >= 1)
+    prefill_chunk_tokens: int = opt(512, _int, "an integer >= 1", lambda v: v >= 1)
+    prefill_concurrency: int = opt(4, _int, "an integer >= 1", lambda v: v >= 1)
+    decode_concurrency: int = opt(64, _int, "an integer >= 1", lambda v: v >= 1)
+    share_across_tenants: bool = opt(False, _bool, "true or false")
+    seed: int = opt(0, _int, "an integer (seeds the random weights of presets)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = opt("fcfs", _str, f"one of {', '.join(SCHEDULER_POLICIES)}", lambda v: v in SCHEDULER_POLICIES)
+    max_queue_depth: int = opt(512, _int, "an integer >= 1", lambda v: v >= 1)
+    tenant_quota_pages: int = opt(0, _int, "an integer >= 0 (0: no quota)", lambda v: v >= 0)
+    tenant_quotas: dict = opt("", _quotas, "a mapping tenant -> hot pages (or 'a=100,b=50')",
+                              lambda v: all(n >= 0 for n in v.values()))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = opt("127.0.0.1", _str, "an address to bind")
+    port: int = opt(8000, _int, "a port number in 0..65535", lambda v: 0 <= v <= 65535)
+
+
 @dataclass(frozen=True)
 class Config:
     data_dir: str = opt("./kvstore-data", _str, "a directory")
@@ -170,6 +212,9 @@ class Config:
     cold: ColdConfig = field(default_factory=ColdConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     # derived
     @property

@@ -51,10 +51,10 @@ class ModelShape:
 PRESETS: dict[str, ModelShape] = {s.name: s for s in (
     # For tests: tiny and quick on any CPU.
     ModelShape("tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-               intermediate_size=128, vocab_size=512, tie_embeddings=True),
+               intermediate_size=128, vocab_size=512),
     # About 100M parameters, for CPU benchmarks.
-    ModelShape("small", num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=4, head_dim=64,
-               intermediate_size=2048, vocab_size=32000, tie_embeddings=True),
+    ModelShape("small", num_layers=14, hidden_size=768, num_heads=12, num_kv_heads=4, head_dim=64,
+               intermediate_size=2048, vocab_size=8192, max_position=16384),
     # Real shapes, for planning.
     ModelShape("llama-3-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, max_position=8192),

@@ -1,0 +1,61 @@
+"""The attention backend interface and the batch description both backends plan from."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    """One step's sequences, flattened: sequence i owns query rows qo_indptr[i]:qo_indptr[i+1].
+
+    Its KV (this step's tokens included, already written) is kv_lens[i] tokens in the hot pages
+    page_table[i]. Queries are the last q_len of those tokens (bottom-right causal alignment).
+    """
+
+    qo_indptr: list[int]
+    page_tables: list[list[int]]
+    kv_lens: list[int]
+    page_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    device: torch.device
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.kv_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(self.qo_indptr[i + 1] - self.qo_indptr[i] == 1 for i in range(self.num_seqs))
+
+    # FlashInfer's CSR page-table form (int32)
+    def kv_indptr(self) -> torch.Tensor:
+        out = [0]
+        for pages, n in zip(self.page_tables, self.kv_lens):
+            out.append(out[-1] + -(-n // self.page_size))
+        return torch.tensor(out, dtype=torch.int32, device=self.device)
+
+    def kv_indices(self) -> torch.Tensor:
+        flat = [p for pages, n in zip(self.page_tables, self.kv_lens) for p in pages[:-(-n // self.page_size)]]
+        return torch.tensor(flat, dtype=torch.int32, device=self.device)
+
+    def kv_last_page_len(self) -> torch.Tensor:
+        return torch.tensor([(n - 1) % self.page_size + 1 for n in self.kv_lens], dtype=torch.int32,
+                            device=self.device)
+
+
+class AttentionBackend(ABC):
+    """plan() once per step, then run() once per layer with that layer's paged cache."""
+
+    @abstractmethod
+    def plan(self, batch: AttentionBatch, dtype: torch.dtype) -> None: ...
+
+    @abstractmethod
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """q [tokens, qo_heads, head_dim]; kv_cache [pages, 2, page_size, kv_heads, head_dim]
+        -> [tokens, qo_heads, head_dim]."""

@@ -1,0 +1,65 @@
+"""The paged attention reference in plain PyTorch: GQA, bottom-right causal mask, fp32 math.
+
+Decode-only steps run as one padded batch; steps with prefill chunks go sequence by sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionBatch
+
+
+class TorchBackend(AttentionBackend):
+    def plan(self, batch: AttentionBatch, dtype: torch.dtype) -> None:
+        self.batch = batch
+        dev, ps = batch.device, batch.page_size
+        used = [p[:-(-n // ps)] for p, n in zip(batch.page_tables, batch.kv_lens)]
+        self.decode = batch.is_decode
+        if self.decode:
+            width = max(len(p) for p in used)
+            self._pages = torch.tensor([p + [p[0]] * (width - len(p)) for p in used], dtype=torch.long, device=dev)
+            lens = torch.tensor(batch.kv_lens, device=dev)
+            self._valid = torch.arange(width * ps, device=dev)[None, :] < lens[:, None]   # [seqs, width*ps]
+            return
+        self._pages = [torch.tensor(p, dtype=torch.long, device=dev) for p in used]
+        self._masks = []
+        for i, n in enumerate(batch.kv_lens):
+            q_len = batch.qo_indptr[i + 1] - batch.qo_indptr[i]
+            qpos = torch.arange(n - q_len, n, device=dev)[:, None]
+            self._masks.append(torch.arange(n, device=dev)[None, :] <= qpos)  # [q_len, kv_len]
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        return self._run_decode(q, kv_cache) if self.decode else self._run_each(q, kv_cache)
+
+    def _run_decode(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        b = self.batch
+        seqs, group = b.num_seqs, b.num_qo_heads // b.num_kv_heads
+        kv = kv_cache[self._pages]                     # [seqs, width, 2, page_size, kv_heads, head_dim]
+        k = kv[:, :, 0].reshape(seqs, -1, b.num_kv_heads, b.head_dim).float()
+        v = kv[:, :, 1].reshape(seqs, -1, b.num_kv_heads, b.head_dim).float()
+        qg = q.float().view(seqs, b.num_kv_heads, group, b.head_dim)
+        scores = torch.einsum("bhgd,bkhd->bhgk", qg, k) / math.sqrt(b.head_dim)
+        scores.masked_fill_(~self._valid[:, None, None, :], float("-inf"))
+        out = torch.einsum("bhgk,bkhd->bhgd", scores.softmax(-1), v)
+        return out.reshape(seqs, b.num_qo_heads, b.head_dim).to(q.dtype)
+
+    def _run_each(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        b = self.batch
+        group = b.num_qo_heads // b.num_kv_heads
+        scale = 1.0 / math.sqrt(b.head_dim)
+        out = torch.empty_like(q)
+        for i, n in enumerate(b.kv_lens):
+            lo, hi = b.qo_indptr[i], b.qo_indptr[i + 1]
+            kv = kv_cache[self._pages[i]]                       # [pages, 2, page_size, kv_heads, head_dim]
+            k = kv[:, 0].reshape(-1, b.num_kv_heads, b.head_dim)[:n].float()
+            v = kv[:, 1].reshape(-1, b.num_kv_heads, b.head_dim)[:n].float()
+            k = k.repeat_interleave(group, dim=1).transpose(0, 1)   # [heads, kv_len, head_dim]
+            v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+            qi = q[lo:hi].float().transpose(0, 1)                   # [heads, q_len, head_dim]
+            scores = (qi @ k.transpose(1, 2)) * scale               # [heads, q_len, kv_len]
+            scores.masked_fill_(~self._masks[i], float("-inf"))
+            out[lo:hi] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+        return out

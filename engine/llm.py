@@ -1,0 +1,225 @@
+"""LLM (synchronous) and AsyncLLM (an engine loop in a thread, for the HTTP API).
+
+    from engine import LLM, SamplingParams
+    llm = LLM(model="tiny")                      # a preset or a Hugging Face directory
+    out = llm.generate(["some text", [1, 2, 3]], SamplingParams(max_tokens=32))
+
+Keyword options are config keys: top-level ones by name (page_size=16), the engine's by name
+(dtype="float32", attention_backend="torch"), any other as section__key (hot__pool="1GiB").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import time
+from typing import AsyncIterator, Sequence
+
+import torch
+
+from engine.attention import create_backend
+from engine.loader import load_model
+from engine.request import QueueFull, Request, RequestOutput, Status
+from engine.runner import ModelRunner
+from engine.sampler import InvalidRequest, SamplingParams
+from engine.scheduler import Scheduler
+from kvstore.config import Config, key_paths, load_config
+from kvstore.store import TieredStore
+from kvstore.tiers.device import resolve_device
+
+_ids = itertools.count()
+_ENGINE_KEYS = {f.split(".", 1)[1] for f in key_paths() if f.startswith("engine.")}
+
+
+def _overrides(model: str, kwargs: dict) -> dict:
+    out = {"model": model}
+    for k, v in kwargs.items():
+        path = f"engine.{k}" if k in _ENGINE_KEYS else k.replace("__", ".")
+        out[path] = v
+    return out
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", config: Config | None = None, **options):
+        self.config = config.replace(model=model) if config else load_config(overrides=_overrides(model, options))
+        if config and options:
+            self.config = load_config(env={}, overrides={**_flatten(self.config), **_overrides(model, options)})
+        cfg = self.config
+        device = resolve_device(cfg.hot.device)
+        dtype = cfg.engine.dtype if cfg.engine.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        self.dtype = getattr(torch, dtype)
+        self.loaded = load_model(model, self.dtype, device, cfg.engine.seed)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = model.rstrip("/").split("/")[-1] if "/" in model else model
+        kv_dtype = cfg.kv_dtype if cfg.kv_dtype != "auto" else dtype
+        spec = self.loaded.shape.kv_spec(kv_dtype, cfg.page_size)
+        self.store = TieredStore(cfg, spec=spec, model_id=self.loaded.model_id)
+        self.max_seq_len = min(cfg.max_seq_len, self.loaded.shape.max_position,
+                               getattr(self.loaded, "sliding_window", None) or cfg.max_seq_len)
+        self.backend = create_backend(cfg.engine.attention_backend, device)
+        self.runner = ModelRunner(self.loaded.model, self.store.hot, self.backend,
+                                  min(self.tokenizer.vocab_size, self.loaded.shape.vocab_size))
+        self.scheduler = Scheduler(self.store, cfg)
+        self.inbox: collections.deque[Request] = collections.deque()
+
+    # requests
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, tenant: str = "",
+                     request_id: str | None = None, priority: int = 0) -> Request:
+        params = (params or SamplingParams()).validate()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.loaded.shape.vocab_size for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.loaded.shape.vocab_size})")
+        if len(ids) + 1 > self.max_seq_len:
+            raise InvalidRequest(f"prompt is {len(ids)} tokens; the maximum sequence length is {self.max_seq_len}")
+        if self.store.spec.pages_for(len(ids) + 1) > self.store.hot.num_pages:
+            raise InvalidRequest(f"prompt needs {self.store.spec.pages_for(len(ids) + 1)} KV pages; the hot tier "
+                                 f"holds {self.store.hot.num_pages} (raise hot.pool)")
+        tenant_ns = "" if self.config.engine.share_across_tenants else tenant
+        return Request(request_id or f"req-{next(_ids)}", ids, params, self.store.namespace(tenant_ns),
+                       tenant=tenant, priority=priority)
+
+    def submit(self, req: Request) -> None:
+        """Queue a request (thread-safe); QueueFull past scheduler.max_queue_depth."""
+        depth = len(self.scheduler.waiting) + len(self.inbox)
+        if depth >= self.config.scheduler.max_queue_depth:
+            raise QueueFull(depth)
+        self.inbox.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.inbox) or self.scheduler.has_work()
+
+    # the loop
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests that advanced (got a token or finished)."""
+        while self.inbox:
+            self.scheduler.waiting.append(self.inbox.popleft())
+        batch = self.scheduler.schedule()
+        changed = []
+        for req in self.scheduler.stalled:
+            self._finish(req, "length")
+            changed.append(req)
+        self.scheduler.stalled.clear()
+        if not batch:
+            if self.scheduler.waiting and not self.scheduler.running:
+                req = self.scheduler.waiting.pop(0)   # cannot fit even alone (pinned pages, quota)
+                req.finish_reason, req.finished_at, req.status = "abort", time.monotonic(), Status.FINISHED
+                changed.append(req)
+            return changed
+        for req in self.runner.execute(batch):
+            self._check_stop(req)
+            changed.append(req)
+        for req, _ in batch:
+            if req.status is Status.RUNNING:
+                self.scheduler.commit(req)
+        return changed
+
+    def _check_stop(self, req: Request) -> None:
+        p = req.params
+        token = req.tokens[-1]
+        out = req.output_ids
+        req.text = self.tokenizer.decode(out)
+        reason = None
+        if (token in self.tokenizer.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        for s in p.stop:
+            cut = req.text.find(s)
+            if cut >= 0:
+                req.text, reason = req.text[:cut], "stop"
+        if reason is None and (len(out) >= p.max_tokens or len(req.tokens) >= self.max_seq_len):
+            reason = "length"
+        if reason:
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason, req.finished_at = reason, time.monotonic()
+        self.scheduler.finish(req)
+
+    def generate(self, prompts, params: SamplingParams | None = None, tenant: str = "") -> list[RequestOutput]:
+        """Run prompts (a text, a token id list, or a list of those) to completion, batched."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        reqs = [self.make_request(p, params, tenant) for p in prompts]
+        for r in reqs:
+            self.scheduler.waiting.append(r)
+        while any(r.status is not Status.FINISHED for r in reqs):
+            self.step()
+        return [r.output() for r in reqs]
+
+    def stats(self) -> dict:
+        return {"computed_tokens": self.runner.computed_tokens, "preemptions": self.scheduler.preemptions,
+                "waiting": len(self.scheduler.waiting) + len(self.inbox), "running": len(self.scheduler.running)}
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _flatten(cfg: Config) -> dict:
+    out = {}
+    for path in key_paths():
+        obj = cfg
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        out[path] = ",".join(f"{k}={v}" for k, v in obj.items()) if isinstance(obj, dict) else obj
+    return out
+
+
+class AsyncLLM:
+    """Runs LLM.step() in a background thread; each request streams its outputs to an asyncio queue."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    async def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvstore-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread:
+            await asyncio.to_thread(self._thread.join)
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.llm.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                changed = self.llm.step()
+            except BaseException as exc:  # noqa: BLE001 - reported to every waiter, loop stops
+                self.error = exc
+                for loop, q in list(self._queues.values()):
+                    loop.call_soon_threadsafe(q.put_nowait, exc)
+                return
+            for req in changed:
+                entry = self._queues.get(req.id)
+                if entry:
+                    entry[0].call_soon_threadsafe(entry[1].put_nowait, req.output())
+
+    async def generate(self, prompt, params: SamplingParams, tenant: str = "", request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        req = self.llm.make_request(prompt, params, tenant, request_id, priority)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[req.id] = (asyncio.get_running_loop(), q)
+        try:
+            self.llm.submit(req)
+            self._wake.set()
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError("the engine stopped after an internal error") from item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self._queues.pop(req.id, None)

@@ -1,0 +1,95 @@
+"""A request's state as it moves through the scheduler, and what the caller gets back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from engine.sampler import SamplingParams
+from kvstore.errors import KVStoreError
+from kvstore.keys import Namespace
+
+
+class QueueFull(KVStoreError):
+    """The waiting queue is at scheduler.max_queue_depth: retry later (HTTP 429)."""
+
+    def __init__(self, depth: int, retry_after_s: float = 1.0):
+        self.retry_after_s = retry_after_s
+        super().__init__(f"queue full: {depth} requests waiting (scheduler.max_queue_depth); "
+                         f"retry in {retry_after_s:g} s")
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict] | None
+    ttft_s: float | None
+    latency_s: float | None
+    cached_tokens: dict[str, int]
+    prefill_tokens: int
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    namespace: Namespace
+    tenant: str = ""
+    priority: int = 0                      # higher runs first under the priority policies
+    arrival: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    tokens: list[int] = field(default_factory=list)   # prompt + generated
+    slots: list[int] = field(default_factory=list)    # hot slot of page i of `tokens`
+    num_computed: int = 0                  # tokens whose K/V are in the slots
+    committed: int = 0                     # full pages given keys
+    cached_tokens: dict[str, int] = field(default_factory=lambda: {"hot": 0, "warm": 0, "cold": 0})
+    prefill_tokens: int = 0                # prompt tokens computed (not served from the cache)
+    admitted: bool = False
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    text: str = ""
+    logprobs: list[dict] | None = None
+    generator: torch.Generator | None = None
+    preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    @property
+    def pending(self) -> int:
+        """Tokens to compute before the next sample."""
+        return len(self.tokens) - self.num_computed
+
+    def output(self) -> RequestOutput:
+        done = self.finished_at
+        return RequestOutput(
+            request_id=self.id, prompt_token_ids=list(self.prompt), token_ids=list(self.output_ids),
+            text=self.text, finish_reason=self.finish_reason,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            ttft_s=self.first_token_at - self.arrival if self.first_token_at else None,
+            latency_s=done - self.arrival if done else None,
+            cached_tokens=dict(self.cached_tokens), prefill_tokens=self.prefill_tokens)

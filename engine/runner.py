@@ -1,0 +1,55 @@
+"""ModelRunner: runs one scheduled step on the hot tier's pages and samples the next tokens."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionBatch
+from engine.model import LlamaModel
+from engine.request import Request
+from engine.sampler import sample, token_logprobs
+from kvstore.tiers.device import DeviceTier
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, hot: DeviceTier, backend: AttentionBackend, vocab_limit: int):
+        self.model, self.hot, self.backend = model, hot, backend
+        self.device = hot.device
+        self.vocab_limit = vocab_limit   # ids the tokenizer can produce; the rest are masked
+        self.computed_tokens = 0
+
+    def execute(self, batch: list[tuple[Request, int]]) -> list[Request]:
+        """Compute the scheduled tokens; returns the requests that got a new token."""
+        ids, positions, indptr, rows, sampled = [], [], [0], [], []
+        for req, n in batch:
+            start = req.num_computed
+            ids += req.tokens[start:start + n]
+            positions += range(start, start + n)
+            indptr.append(indptr[-1] + n)
+            if start + n == len(req.tokens):
+                rows.append(indptr[-1] - 1)
+                sampled.append(req)
+        shape = self.model.shape
+        attn = AttentionBatch(indptr, [r.slots for r, _ in batch], [r.num_computed + n for r, n in batch],
+                              self.hot.spec.page_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                              self.device)
+        logits = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                            attn, self.hot.layers, self.backend,
+                            logit_rows=torch.tensor(rows, dtype=torch.long, device=self.device))
+        logits = logits[:, :self.vocab_limit].cpu()
+        for req, n in batch:
+            if req.num_computed < len(req.prompt):
+                req.prefill_tokens += min(n, len(req.prompt) - req.num_computed)
+            req.num_computed += n
+        self.computed_tokens += len(ids)
+        now = time.monotonic()
+        for req, row in zip(sampled, logits):
+            token = sample(row, req.params, req.generator)
+            if req.logprobs is not None:
+                req.logprobs.append(token_logprobs(row, token, req.params.logprobs))
+            req.tokens.append(token)
+            if req.first_token_at is None:
+                req.first_token_at = now
+        return sampled

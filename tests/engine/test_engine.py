@@ -1,0 +1,154 @@
+"""The engine over the tiered store: exact prefix reuse from every tier, exact batching,
+a hot tier far too small for the load, tenant isolation. CPU, fp32, the tiny preset."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from kvstore.keys import page_keys
+
+PARAMS = SamplingParams(max_tokens=24, logprobs=3)
+
+
+def make_llm(tmp_path, **options):
+    opts = dict(dtype="float32", attention_backend="torch", data_dir=str(tmp_path), hot__device="cpu",
+                hot__pool="4MiB", warm__bytes="4MiB")
+    opts.update(options)
+    return LLM("tiny", **opts)
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    return [256] + [(seed * 131 + i * 17 + (i * i) % 7) % 256 for i in range(n - 1)]
+
+
+def assert_same_generation(a, b, tol=1e-4):
+    assert a.token_ids == b.token_ids
+    for la, lb in zip(a.logprobs, b.logprobs):
+        assert la["token_id"] == lb["token_id"]
+        assert abs(la["logprob"] - lb["logprob"]) < tol
+        for (ia, va), (ib, vb) in zip(la["top"], lb["top"]):
+            assert ia == ib and abs(va - vb) < tol
+
+
+def test_prefix_from_hot_warm_and_cold_gives_identical_tokens(tmp_path):
+    llm = make_llm(tmp_path)
+    try:
+        prompt = prompt_ids(1, 100)             # 6 full pages + 4 tokens
+        cached = (len(prompt) - 1) // 16 * 16  # the last token is always computed
+        [cold_start] = llm.generate([prompt], PARAMS)
+        assert cold_start.prefill_tokens == 100 and sum(cold_start.cached_tokens.values()) == 0
+        ns = llm.store.namespace()
+        keys = page_keys(ns, prompt, 16)
+        for tier in ("hot", "warm", "cold"):
+            if tier != "hot":
+                llm.store.evict(keys, to=tier)
+                assert set(llm.store.match(prompt, ns).tiers) == {tier}
+            before = llm.stats()["computed_tokens"]
+            [out] = llm.generate([prompt], PARAMS)
+            assert out.cached_tokens[tier] == cached, (tier, out.cached_tokens)
+            assert out.prefill_tokens == len(prompt) - cached
+            # computed: the uncached suffix, then one token per decode step
+            assert llm.stats()["computed_tokens"] - before == len(prompt) - cached + PARAMS.max_tokens - 1
+            assert_same_generation(out, cold_start)
+    finally:
+        llm.close()
+
+
+def test_shared_prefix_with_different_suffixes(tmp_path):
+    llm = make_llm(tmp_path)
+    try:
+        doc = prompt_ids(2, 80)
+        questions = [doc + prompt_ids(10 + q, 12)[1:] for q in range(4)]
+        alone = [make_llm(tmp_path / f"alone{q}").generate([p], PARAMS)[0] for q, p in enumerate(questions)]
+        llm.generate([doc], SamplingParams(max_tokens=1))
+        outs = llm.generate(questions, PARAMS)
+        for out, ref in zip(outs, alone):
+            assert out.cached_tokens["hot"] == 80 // 16 * 16
+            assert_same_generation(out, ref)
+    finally:
+        llm.close()
+
+
+def test_batching_is_exact(tmp_path):
+    prompts = [prompt_ids(100 + i, 5 + 13 * i) for i in range(16)]
+    params = SamplingParams(max_tokens=16)
+    batched = make_llm(tmp_path / "batch").generate(prompts, params)
+    for p, out in zip(prompts, batched):
+        [alone] = make_llm(tmp_path / "alone", cold__enabled="false").generate([p], params)
+        assert out.token_ids == alone.token_ids
+
+
+def test_hot_tier_far_too_small_queues_and_preempts_but_stays_correct(tmp_path):
+    prompts = [prompt_ids(200 + i, 20 + 7 * i) for i in range(12)]
+    params = SamplingParams(max_tokens=40)
+    ref_llm = make_llm(tmp_path / "ref")
+    refs = [ref_llm.generate([p], params)[0] for p in prompts]
+    page = ref_llm.store.spec.page_bytes
+    small = make_llm(tmp_path / "small", hot__pool=str(14 * page), warm__bytes=str(8 * page))
+    outs = small.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert small.stats()["preemptions"] > 0
+    assert small.store.audit()["total_refcount"] == 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "preemptive"])
+def test_every_scheduler_policy_finishes_everything_correctly(tmp_path, policy):
+    prompts = [prompt_ids(300 + i, 30 + 5 * i) for i in range(8)]
+    params = SamplingParams(max_tokens=20)
+    refs = make_llm(tmp_path / "ref").generate(prompts, params)
+    page_bytes = 2 * 2 * 2 * 16 * 16 * 4
+    llm = make_llm(tmp_path / policy, hot__pool=str(12 * page_bytes), scheduler__policy=policy)
+    reqs = [llm.make_request(p, params, priority=i % 3) for i, p in enumerate(prompts)]
+    for r in reqs:
+        llm.submit(r)
+    while llm.has_work():
+        llm.step()
+    assert [r.output().token_ids for r in reqs] == [r.token_ids for r in refs]
+
+
+def test_two_tenants_share_no_pages(tmp_path):
+    llm = make_llm(tmp_path)
+    try:
+        prompt = prompt_ids(3, 64)
+        [a1] = llm.generate([prompt], PARAMS, tenant="a")
+        hits = llm.store.stats()["tiers"]["hot"]["hits"]
+        [b1] = llm.generate([prompt], PARAMS, tenant="b")
+        assert sum(b1.cached_tokens.values()) == 0
+        assert llm.store.stats()["tiers"]["hot"]["hits"] == hits
+        [a2] = llm.generate([prompt], PARAMS, tenant="a")
+        assert a2.cached_tokens["hot"] == 48
+        assert a1.token_ids == b1.token_ids == a2.token_ids
+    finally:
+        llm.close()
+
+
+def test_stop_conditions_and_sampling(tmp_path):
+    llm = make_llm(tmp_path)
+    try:
+        prompt = prompt_ids(4, 20)
+        [greedy] = llm.generate([prompt], SamplingParams(max_tokens=12))
+        stop_at = greedy.token_ids[5]
+        [stopped] = llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop_at]))
+        assert stopped.token_ids == greedy.token_ids[:greedy.token_ids.index(stop_at) + 1]
+        assert stopped.finish_reason == "stop"
+        s1 = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=7))
+        s2 = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=7))
+        assert s1[0].token_ids == s2[0].token_ids
+    finally:
+        llm.close()
+
+
+def test_invalid_requests_are_refused_clearly(tmp_path):
+    from engine import InvalidRequest
+    llm = make_llm(tmp_path, max_seq_len="256")
+    try:
+        with pytest.raises(InvalidRequest, match="maximum sequence length is 256"):
+            llm.make_request(prompt_ids(5, 300))
+        with pytest.raises(InvalidRequest, match="temperature"):
+            llm.make_request([1, 2], SamplingParams(temperature=-1))
+        with pytest.raises(InvalidRequest, match="token ids"):
+            llm.make_request([1, 10**9])
+    finally:
+        llm.close()
