@@ -63,6 +63,7 @@ class LLM:
                                   min(self.tokenizer.vocab_size, self.loaded.shape.vocab_size))
         self.scheduler = Scheduler(self.store, cfg)
         self.inbox: collections.deque[Request] = collections.deque()
+        self.aborted: collections.deque[str] = collections.deque()   # request ids, from any thread
 
     # requests
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, tenant: str = "",
@@ -97,8 +98,8 @@ class LLM:
         """One engine step; returns the requests that advanced (got a token or finished)."""
         while self.inbox:
             self.scheduler.waiting.append(self.inbox.popleft())
+        changed = self._abort()
         batch = self.scheduler.schedule()
-        changed = []
         for req in self.scheduler.stalled:
             self._finish(req, "length")
             changed.append(req)
@@ -116,6 +117,24 @@ class LLM:
             if req.status is Status.RUNNING:
                 self.scheduler.commit(req)
         return changed
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next step (thread-safe); its pages are released."""
+        self.aborted.append(request_id)
+
+    def _abort(self) -> list[Request]:
+        ids = set()
+        while self.aborted:
+            ids.add(self.aborted.popleft())
+        done = []
+        for req in [r for r in self.scheduler.waiting if r.id in ids]:
+            self.scheduler.waiting.remove(req)
+            req.finish_reason, req.finished_at, req.status = "abort", time.monotonic(), Status.FINISHED
+            done.append(req)
+        for req in [r for r in self.scheduler.running if r.id in ids]:
+            self._finish(req, "abort")
+            done.append(req)
+        return done
 
     def _check_stop(self, req: Request) -> None:
         p = req.params
@@ -222,4 +241,6 @@ class AsyncLLM:
                 if item.finish_reason is not None:
                     return
         finally:
-            self._queues.pop(req.id, None)
+            if self._queues.pop(req.id, None) is not None and req.status is not Status.FINISHED:
+                self.llm.abort(req.id)   # the caller went away: free its pages
+                self._wake.set()

@@ -152,3 +152,28 @@ def test_invalid_requests_are_refused_clearly(tmp_path):
             llm.make_request([1, 10**9])
     finally:
         llm.close()
+
+
+async def test_async_engine_streams_and_aborts(tmp_path):
+    from engine import AsyncLLM
+    llm = make_llm(tmp_path)
+    engine = AsyncLLM(llm)
+    await engine.start()
+    try:
+        prompt = prompt_ids(6, 40)
+        [ref] = make_llm(tmp_path / "ref").generate([prompt], SamplingParams(max_tokens=10))
+        outs = [o async for o in engine.generate(prompt, SamplingParams(max_tokens=10))]
+        assert [len(o.token_ids) for o in outs] == list(range(1, 11))
+        assert outs[-1].token_ids == ref.token_ids and outs[-1].finish_reason == "length"
+        agen = engine.generate(prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
+        await agen.__anext__()
+        await agen.aclose()                     # the client went away
+        for _ in range(100):
+            if not llm.has_work():
+                break
+            await __import__("asyncio").sleep(0.02)
+        assert not llm.has_work()
+        assert llm.store.audit()["total_refcount"] == 0
+    finally:
+        await engine.stop()
+        llm.close()
