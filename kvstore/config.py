@@ -194,6 +194,27 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class AdminConfig:
+    host: str = opt("127.0.0.1", _str, "an address to bind (a non-loopback one requires admin.token)")
+    port: int = opt(8081, _int, "a port number in 0..65535 (0: any free port)", lambda v: 0 <= v <= 65535)
+    token: str = opt("", _str, "a bearer token (empty: no auth, allowed on loopback only)")
+    tls_cert: str = opt("", _str, "a PEM certificate file (with tls_key: serve HTTPS)")
+    tls_key: str = opt("", _str, "a PEM private key file")
+    max_body_bytes: int = opt("1MiB", parse_size, "a byte size >= 1KiB", lambda v: v >= 1024)
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    socket: str = opt("kvstore.sock", _str, "a Unix socket path (relative paths are under data_dir)")
+    lease_s: float = opt(30.0, _float, "seconds > 0: a client's pins expire this long after it goes quiet",
+                         lambda v: v > 0)
+    max_frame_bytes: int = opt("64MiB", parse_size, "a byte size >= 1KiB", lambda v: v >= 1024)
+
+
+SECRET_KEYS = ("admin.token",)
+
+
+@dataclass(frozen=True)
 class Config:
     data_dir: str = opt("./kvstore-data", _str, "a directory")
     model: str = opt("tiny", _str, "a preset name or a Hugging Face model directory")
@@ -215,6 +236,8 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    sidecar: SidecarConfig = field(default_factory=SidecarConfig)
 
     # derived
     @property
@@ -235,8 +258,19 @@ class Config:
         from kvstore.shapes import load_shape
         return load_shape(self.model).kv_spec(self.resolved_kv_dtype(device), self.page_size)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    def to_dict(self, redact: bool = False) -> dict:
+        out = dataclasses.asdict(self)
+        if redact:
+            for path in SECRET_KEYS:
+                section, key = path.split(".")
+                if out[section][key]:
+                    out[section][key] = "<redacted>"
+        return out
+
+    @property
+    def sidecar_socket(self) -> Path:
+        p = Path(self.sidecar.socket)
+        return p if p.is_absolute() else Path(self.data_dir) / p
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
