@@ -227,6 +227,8 @@ class AsyncLLM:
 
     async def generate(self, prompt, params: SamplingParams, tenant: str = "", request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
+        if self.error is not None:
+            raise RuntimeError("the engine stopped after an internal error") from self.error
         req = self.llm.make_request(prompt, params, tenant, request_id, priority)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.id] = (asyncio.get_running_loop(), q)

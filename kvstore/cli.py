@@ -31,12 +31,10 @@ Run `kvstore COMMAND --help` for a command's options.
 
 # name -> (help, what it waits for)
 NOT_BUILT = {
-    "serve": ("run the store, the engine, the OpenAI-compatible API and the REST admin API in one process",
-              "the engine and the REST admin API come in a later version"),
     "sidecar": ("run the store alone next to an external inference engine (Unix socket + shared memory)",
                 "the sidecar server comes in a later version"),
     "job": ("run a long-document QA job: many questions over the same documents, their prefixes cached",
-            "it needs the engine, which comes in a later version"),
+            "the job runner comes in a later version"),
     "inspect": ("show what a running store holds: tiers, pages, prefixes",
                 "it needs the REST admin API, which comes in a later version"),
 }
@@ -82,7 +80,7 @@ def _run_config(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     print("# effective kvstore config: defaults < file < KVSTORE_* env < flags")
-    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    print(yaml.safe_dump(cfg.to_dict(redact=True), sort_keys=False), end="")
     return 0
 
 
@@ -94,6 +92,52 @@ def _add_config_command(subparsers) -> None:
     add_config_options(p)
     p.add_argument("--keys", action="store_true", help="list every key, its env variable and allowed values")
     p.set_defaults(func=_run_config)
+
+
+SERVE_DESCRIPTION = """\
+Run the tiered store, the decoding engine and the OpenAI-compatible API in one process.
+
+The API: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health
+(503 until the warm-up requests are done, then 200). Requests name the model as /v1/models
+lists it: the preset's name, or the model directory's name. The tenant is the X-Tenant
+header (or the request's `user` field): tenants never share cached prefixes.
+One line is printed when the server is ready; SIGINT or SIGTERM stops it cleanly.
+"""
+
+
+def _add_serve_command(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="run the store, the engine and the OpenAI-compatible API in one process",
+                              description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", metavar="DIR_OR_PRESET",
+                   help="a Hugging Face model directory or a preset (tiny, small...); sets the config key "
+                        "`model` (default: tiny)")
+    p.add_argument("--host", help="address to listen on (config key server.host, default 127.0.0.1)")
+    p.add_argument("--port", help="TCP port, 0 for any free one (config key server.port, default 8000)")
+    add_config_options(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    for key, value in (("model", args.model), ("server.host", args.host), ("server.port", args.port)):
+        if value is not None:
+            args.set = [*args.set, f"{key}={value}"]
+    config = config_from_args(args)
+    from engine import LLM, AsyncLLM
+    from engine.api import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = LLM(config.model, config=config)
+    try:
+        def ready(url: str) -> None:
+            print(f"kvstore serve: {llm.model_name} ready on {url} "
+                  "(OpenAI API: /v1/completions, /v1/chat/completions)", flush=True)
+        asyncio.run(serve(AsyncLLM(llm), config.server.host, config.server.port, on_ready=ready))
+    finally:
+        llm.close()
+    return 0
 
 
 def _not_built(name: str, why: str) -> Callable[[argparse.Namespace], int]:
@@ -138,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_command(subparsers)
     _add_module_command(subparsers, "kvstore.fsck")
     _add_module_command(subparsers, "kvstore.bench")
+    _add_serve_command(subparsers)
     for name, (help, why) in NOT_BUILT.items():
         _add_not_built(subparsers, name, help, why)
     return parser

@@ -211,7 +211,23 @@ class SidecarConfig:
     max_frame_bytes: int = opt("64MiB", parse_size, "a byte size >= 1KiB", lambda v: v >= 1024)
 
 
-SECRET_KEYS = ("admin.token",)
+@dataclass(frozen=True)
+class ClusterConfig:
+    redis_url: str = opt("", _str, "a redis://, rediss:// (TLS) URL, or empty for local-only mode",
+                         lambda v: v == "" or v.startswith(("redis://", "rediss://", "unix://")))
+    redis_mode: str = opt("standalone", _str, "standalone or cluster (Redis Cluster)",
+                          lambda v: v in ("standalone", "cluster"))
+    key_prefix: str = opt("kvstore:", _str, "a non-empty string prefixing every Redis key", lambda v: v != "")
+    instance_id: str = opt("", _str, "this instance's name in the index (empty: host-pid-random)")
+    advertise_url: str = opt("", _str, "the URL peers fetch pages from (empty: the admin API's own)")
+    token: str = opt("", _str, "the shared secret instances present to each other to fetch pages")
+    heartbeat_s: float = opt(1.0, _float, "seconds > 0", lambda v: v > 0)
+    ttl_s: float = opt(3.0, _float, "seconds > 0, more than heartbeat_s: a silent instance is dead after it",
+                       lambda v: v > 0)
+    flush_interval_s: float = opt(0.05, _float, "seconds > 0", lambda v: v > 0)
+
+
+SECRET_KEYS = ("admin.token", "cluster.token", "cluster.redis_url")
 
 
 @dataclass(frozen=True)
@@ -238,6 +254,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     # derived
     @property
@@ -264,7 +281,7 @@ class Config:
             for path in SECRET_KEYS:
                 section, key = path.split(".")
                 if out[section][key]:
-                    out[section][key] = "<redacted>"
+                    out[section][key] = _redact(out[section][key])
         return out
 
     @property
@@ -274,6 +291,15 @@ class Config:
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
+
+
+def _redact(value: str) -> str:
+    """Hide a secret; for a URL only its password."""
+    m = re.match(r"^([a-z]+://)([^@/]*)@(.*)$", value)
+    if m:
+        user = m.group(2).split(":", 1)[0]
+        return f"{m.group(1)}{user}:<redacted>@{m.group(3)}"
+    return value if "://" in value else "<redacted>"
 
 
 def _dtype_ok(v: str) -> bool:
@@ -342,6 +368,9 @@ def _check_relations(cfg: Config) -> None:
         if sec.low_watermark >= sec.high_watermark:
             raise ConfigError(f"{section}.low_watermark", sec.low_watermark,
                               f"must be below {section}.high_watermark ({sec.high_watermark})")
+    if cfg.cluster.ttl_s <= cfg.cluster.heartbeat_s:
+        raise ConfigError("cluster.ttl_s", cfg.cluster.ttl_s,
+                          f"must be more than cluster.heartbeat_s ({cfg.cluster.heartbeat_s})")
     if cfg.cold.map_size_max and cfg.cold.map_size_max < cfg.cold.max_bytes:
         raise ConfigError("cold.map_size_max", cfg.cold.map_size_max,
                           f"must be at least cold.max_bytes ({cfg.cold.max_bytes})")

@@ -40,11 +40,17 @@ def test_not_built_commands_say_so(command, capsys):
     assert err.startswith(f"kvstore {command}: not built yet in this version") and err.count("\n") == 1
 
 
-def test_serve_is_not_built_yet(kvstore_cli):
-    out = kvstore_cli("serve", "--model", "tiny")
+def test_unbuilt_command_says_so(kvstore_cli):
+    out = kvstore_cli("job", "run", "x.jsonl")
     assert out.returncode == 2
-    assert out.stderr.startswith("kvstore serve: not built yet in this version (")
+    assert out.stderr.startswith("kvstore job: not built yet in this version (")
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_serve_bad_port_is_one_line(kvstore_cli):
+    out = kvstore_cli("serve", "--model", "tiny", "--port", "99999")
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "server.port" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_version(capsys):

@@ -1,0 +1,91 @@
+"""A real redis-server per test, on a free loopback port (standalone, password, TLS or a cluster)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_cert(directory: Path) -> tuple[Path, Path]:
+    cert, key = directory / "redis.crt", directory / "redis.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+class RedisServer:
+    def __init__(self, directory: Path, password: str | None = None, tls: bool = False,
+                 cluster: bool = False, port: int | None = None):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.password, self.tls, self.cluster = password, tls, cluster
+        self.cert = self.key = None
+        if tls:
+            self.cert, self.key = make_cert(self.dir)
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def args(self) -> list[str]:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (scripts/bootstrap installs it)")
+        a = [exe, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.dir)]
+        if self.tls:
+            a += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.cert),
+                  "--tls-key-file", str(self.key), "--tls-ca-cert-file", str(self.cert), "--tls-auth-clients", "no"]
+        else:
+            a += ["--port", str(self.port)]
+        if self.password:
+            a += ["--requirepass", self.password]
+        if self.cluster:
+            a += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / "nodes.conf")]
+        return a
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+
+def make_cluster(directory: Path, nodes: int = 3) -> list[RedisServer]:
+    servers = [RedisServer(Path(directory) / f"n{i}", cluster=True) for i in range(nodes)]
+    subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in servers],
+                    "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        out = subprocess.run(["redis-cli", "-p", str(servers[0].port), "cluster", "info"],
+                             capture_output=True, text=True).stdout
+        if "cluster_state:ok" in out:
+            return servers
+        time.sleep(0.2)
+    raise RuntimeError("Redis cluster did not become ready")
