@@ -20,7 +20,6 @@ import itertools
 import json
 import logging
 import math
-import signal
 import time
 import traceback
 import uuid
@@ -35,7 +34,6 @@ from engine import AsyncLLM, InvalidRequest, QueueFull, RequestOutput, SamplingP
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
-SHUTDOWN_GRACE_S = 5.0          # requests in flight get this long to finish on SIGTERM
 MAX_CHOICES = 64                # prompts x n in one request
 WARM_UP_LENGTHS = (8, 64, 200)  # prompt tokens
 WARM_UP_TEXT = "The quick brown fox jumps over the lazy dog. "
@@ -486,36 +484,3 @@ async def warm_up(engine: AsyncLLM, app: web.Application | None = None) -> None:
                 pass
     if app is not None:
         app[STATE].ready = True
-
-
-async def serve(engine: AsyncLLM, host: str, port: int, on_ready: Callable[[str], None] = print,
-                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-    """Serve the API until SIGINT or SIGTERM: start the engine, listen, warm up, call
-    on_ready(url); on the signal, stop listening, give requests in flight SHUTDOWN_GRACE_S to
-    finish, and stop the engine."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
-    app = create_app(engine, max_body_bytes)
-    runner = web.AppRunner(app)
-    tasks: list[asyncio.Task] = []
-    await engine.start()
-    try:
-        await runner.setup()
-        await web.TCPSite(runner, host, port, shutdown_timeout=SHUTDOWN_GRACE_S).start()
-        tasks = [asyncio.create_task(warm_up(engine, app)), asyncio.create_task(stop.wait())]
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        if tasks[0] in done:
-            tasks[0].result()
-            bound = runner.addresses[0][1]
-            on_ready(f"http://{f'[{host}]' if ':' in host else host}:{bound}")
-            await tasks[1]
-    finally:
-        for task in tasks:
-            task.cancel()
-        await runner.cleanup()
-        await engine.stop()
-        for sig in signals:
-            loop.remove_signal_handler(sig)

@@ -15,7 +15,7 @@ import collections
 import itertools
 import threading
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import torch
 
@@ -59,9 +59,10 @@ class LLM:
         self.max_seq_len = min(cfg.max_seq_len, self.loaded.shape.max_position,
                                getattr(self.loaded, "sliding_window", None) or cfg.max_seq_len)
         self.backend = create_backend(cfg.engine.attention_backend, device)
-        self.runner = ModelRunner(self.loaded.model, self.store.hot, self.backend,
+        self.runner = ModelRunner(self.loaded.model, self.store.hot, self.store.warm, self.backend,
                                   min(self.tokenizer.vocab_size, self.loaded.shape.vocab_size))
         self.scheduler = Scheduler(self.store, cfg)
+        self.scheduler.can_spill = self.backend.supports_spill and self.store.warm.num_slots > 0
         self.inbox: collections.deque[Request] = collections.deque()
         self.aborted: collections.deque[str] = collections.deque()   # request ids, from any thread
 
@@ -76,9 +77,11 @@ class LLM:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {self.loaded.shape.vocab_size})")
         if len(ids) + 1 > self.max_seq_len:
             raise InvalidRequest(f"prompt is {len(ids)} tokens; the maximum sequence length is {self.max_seq_len}")
-        if self.store.spec.pages_for(len(ids) + 1) > self.store.hot.num_pages:
-            raise InvalidRequest(f"prompt needs {self.store.spec.pages_for(len(ids) + 1)} KV pages; the hot tier "
-                                 f"holds {self.store.hot.num_pages} (raise hot.pool)")
+        pages = self.store.spec.pages_for(len(ids) + 1)
+        room = self.store.hot.num_pages + (self.store.warm.num_slots if self.scheduler.can_spill else 0)
+        if pages > room:
+            raise InvalidRequest(f"prompt needs {pages} KV pages; the hot and warm tiers hold {room} "
+                                 "(raise hot.pool or warm.bytes)")
         tenant_ns = "" if self.config.engine.share_across_tenants else tenant
         return Request(request_id or f"req-{next(_ids)}", ids, params, self.store.namespace(tenant_ns),
                        tenant=tenant, priority=priority)
@@ -170,7 +173,8 @@ class LLM:
 
     def stats(self) -> dict:
         return {"computed_tokens": self.runner.computed_tokens, "preemptions": self.scheduler.preemptions,
-                "waiting": len(self.scheduler.waiting) + len(self.inbox), "running": len(self.scheduler.running)}
+                "waiting": len(self.scheduler.waiting) + len(self.inbox), "running": len(self.scheduler.running),
+                "spilled_pages": self.scheduler.spilled_pages}
 
     def close(self) -> None:
         self.store.close()
@@ -187,10 +191,16 @@ def _flatten(cfg: Config) -> dict:
 
 
 class AsyncLLM:
-    """Runs LLM.step() in a background thread; each request streams its outputs to an asyncio queue."""
+    """Runs LLM.step() in a background thread; each request streams its outputs to an asyncio queue.
 
-    def __init__(self, llm: LLM):
+    Hooks: `on_finish(output)` is called (in the engine thread) for every finished request;
+    `prefetch(tokens, namespace) -> (local_pages, fetched_pages)` is awaited before a request
+    is queued (fetching its prefix from a peer instance)."""
+
+    def __init__(self, llm: LLM, on_finish: Callable[[RequestOutput], None] | None = None,
+                 prefetch: Callable[..., Awaitable[tuple[int, int]]] | None = None):
         self.llm = llm
+        self.on_finish, self.prefetch = on_finish, prefetch
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stop = False
@@ -221,15 +231,21 @@ class AsyncLLM:
                     loop.call_soon_threadsafe(q.put_nowait, exc)
                 return
             for req in changed:
+                out = req.output()
                 entry = self._queues.get(req.id)
                 if entry:
-                    entry[0].call_soon_threadsafe(entry[1].put_nowait, req.output())
+                    entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
+                if out.finish_reason is not None and self.on_finish is not None:
+                    self.on_finish(out)
 
     async def generate(self, prompt, params: SamplingParams, tenant: str = "", request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         if self.error is not None:
             raise RuntimeError("the engine stopped after an internal error") from self.error
         req = self.llm.make_request(prompt, params, tenant, request_id, priority)
+        if self.prefetch is not None:
+            local, fetched = await self.prefetch(req.tokens, req.namespace)
+            req.peer_pages = range(local, local + fetched)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.id] = (asyncio.get_running_loop(), q)
         try:

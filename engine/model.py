@@ -63,7 +63,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, shape.num_kv_heads * d, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(shape.num_heads * d, h, bias=False)
 
-    def forward(self, x, cos, sin, kv_cache, write_pages, write_offsets, backend: AttentionBackend):
+    def forward(self, x, cos, sin, kv_cache, write_pages, write_offsets, backend: AttentionBackend, warm_cache=None):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -73,7 +73,7 @@ class Attention(nn.Module):
         # kv_cache: [pages, 2, page_size, kv_heads, head_dim]
         kv_cache[write_pages, 0, write_offsets] = k.to(kv_cache.dtype)
         kv_cache[write_pages, 1, write_offsets] = v.to(kv_cache.dtype)
-        out = backend.run(q.to(kv_cache.dtype), kv_cache).to(x.dtype)
+        out = backend.run(q.to(kv_cache.dtype), kv_cache, warm_cache).to(x.dtype)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -126,10 +126,10 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[torch.Tensor], backend: AttentionBackend,
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logit_rows: torch.Tensor | None = None, warm_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         ps = batch.page_size
         # where this step's tokens go: page (hot slot) and offset in it
-        pages = torch.tensor([batch.page_tables[i][p // ps]
+        pages = torch.tensor([batch.page_tables[i][p // ps - batch.num_warm(i)]
                               for i in range(batch.num_seqs)
                               for p in range(batch.kv_lens[i] - (batch.qo_indptr[i + 1] - batch.qo_indptr[i]),
                                              batch.kv_lens[i])], dtype=torch.long, device=input_ids.device)
@@ -137,8 +137,9 @@ class LlamaModel(nn.Module):
         backend.plan(batch, kv_caches[0].dtype)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions)
-        for layer, cache in zip(self.model.layers, kv_caches):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, pages, offsets, backend)
+        warm_caches = warm_caches if batch.spilled else [None] * len(kv_caches)
+        for layer, cache, warm in zip(self.model.layers, kv_caches, warm_caches):
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, pages, offsets, backend, warm)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if logit_rows is not None:
             x = x[logit_rows]

@@ -53,10 +53,12 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     tokens: list[int] = field(default_factory=list)   # prompt + generated
-    slots: list[int] = field(default_factory=list)    # hot slot of page i of `tokens`
+    spilled: list[int] = field(default_factory=list)  # warm slots (leased) of the oldest pages
+    slots: list[int] = field(default_factory=list)    # hot slots of the pages after those
     num_computed: int = 0                  # tokens whose K/V are in the slots
     committed: int = 0                     # full pages given keys
-    cached_tokens: dict[str, int] = field(default_factory=lambda: {"hot": 0, "warm": 0, "cold": 0})
+    cached_tokens: dict[str, int] = field(default_factory=lambda: {"hot": 0, "warm": 0, "cold": 0, "peer": 0})
+    peer_pages: range = range(0)           # pages fetched from a peer instance for this request
     prefill_tokens: int = 0                # prompt tokens computed (not served from the cache)
     admitted: bool = False
     first_token_at: float | None = None

@@ -11,17 +11,28 @@ from engine.model import LlamaModel
 from engine.request import Request
 from engine.sampler import sample, token_logprobs
 from kvstore.tiers.device import DeviceTier
+from kvstore.tiers.host import HostTier
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, hot: DeviceTier, backend: AttentionBackend, vocab_limit: int):
+    def __init__(self, model: LlamaModel, hot: DeviceTier, warm: HostTier, backend: AttentionBackend,
+                 vocab_limit: int):
         self.model, self.hot, self.backend = model, hot, backend
+        # per-layer views of the warm tier, for pages a long sequence spilled there
+        self.warm_layers = [warm.pages[:, layer] for layer in range(hot.spec.num_layers)]
         self.device = hot.device
         self.vocab_limit = vocab_limit   # ids the tokenizer can produce; the rest are masked
         self.computed_tokens = 0
+        self.compute_seconds = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Measured compute speed (tokens through the model per second), for cost estimates."""
+        return self.computed_tokens / self.compute_seconds if self.compute_seconds else 0.0
 
     def execute(self, batch: list[tuple[Request, int]]) -> list[Request]:
         """Compute the scheduled tokens; returns the requests that got a new token."""
+        t0 = time.monotonic()
         ids, positions, indptr, rows, sampled = [], [], [0], [], []
         for req, n in batch:
             start = req.num_computed
@@ -34,10 +45,11 @@ class ModelRunner:
         shape = self.model.shape
         attn = AttentionBatch(indptr, [r.slots for r, _ in batch], [r.num_computed + n for r, n in batch],
                               self.hot.spec.page_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                              self.device)
+                              self.device, warm_tables=[r.spilled for r, _ in batch])
         logits = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
                             attn, self.hot.layers, self.backend,
-                            logit_rows=torch.tensor(rows, dtype=torch.long, device=self.device))
+                            logit_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
+                            warm_caches=self.warm_layers)
         logits = logits[:, :self.vocab_limit].cpu()
         for req, n in batch:
             if req.num_computed < len(req.prompt):
@@ -45,6 +57,7 @@ class ModelRunner:
             req.num_computed += n
         self.computed_tokens += len(ids)
         now = time.monotonic()
+        self.compute_seconds += now - t0
         for req, row in zip(sampled, logits):
             token = sample(row, req.params, req.generator)
             if req.logprobs is not None:

@@ -4,7 +4,9 @@ Each step: running decodes first (one token each, up to decode_concurrency), the
 chunks of running requests, then new requests admitted while the token budget
 (max_batch_tokens), prefill_concurrency, the hot-tier page budget and the tenant's quota allow.
 A request is admitted with its cached prefix acquired (promoted from warm/cold if needed), so
-only the uncached suffix is computed. When a running request cannot get a page, the
+only the uncached suffix is computed. A request alone that outgrows the hot tier spills its
+oldest committed pages to warm (leased there; the torch backend reads them from warm) instead
+of failing. When a running request cannot get a page, the
 lowest-priority, latest request is preempted: its full pages are committed, its hold released
 (the pages stay cached and are demoted as needed), and it is requeued at the front, to resume
 from its cached pages instead of from scratch. Under `preemptive`, a waiting request may also
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from kvstore.config import Config
 from kvstore.errors import OutOfCapacity
+from kvstore.keys import page_keys
 from kvstore.store import TieredStore
 
 from engine.request import QueueFull, Request, Status
@@ -29,6 +32,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.preemptions = 0
         self.stalled: list[Request] = []   # running requests that cannot get another page
+        self.can_spill = False             # set by the engine when its attention backend reads warm pages
+        self.spilled_pages = 0
 
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.cfg.max_queue_depth:
@@ -45,10 +50,15 @@ class Scheduler:
         return self.cfg.tenant_quotas.get(tenant, self.cfg.tenant_quota_pages)
 
     def _pages_needed(self, req: Request, n: int) -> int:
-        return -(-(req.num_computed + n) // self.page_size) - len(req.slots)
+        return -(-(req.num_computed + n) // self.page_size) - len(req.spilled) - len(req.slots)
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens of req to compute next: bounded by the budget, the chunk size and half the hot tier."""
+        half = max(1, self.store.hot.num_pages // 2) * self.page_size - req.num_computed % self.page_size
+        return min(req.pending, budget, self.engine_cfg.prefill_chunk_tokens, half)
 
     def _grow(self, req: Request, n: int) -> bool:
-        """Give req the pages for its next n tokens, preempting others if needed."""
+        """Give req the pages for its next n tokens, preempting others (or spilling) if needed."""
         need = self._pages_needed(req, n)
         while need > 0:
             try:
@@ -56,15 +66,35 @@ class Scheduler:
                 return True
             except OutOfCapacity:
                 victims = [r for r in self.running if r is not req]
-                if not victims:
+                if victims:
+                    self.preempt(max(victims, key=self._order))
+                elif not self._spill(req, need):
                     return False
-                self.preempt(max(victims, key=self._order))
         return True
+
+    def _spill(self, req: Request, n: int) -> int:
+        """Move req's n oldest committed hot pages to warm leases; returns how many moved."""
+        first = len(req.spilled)
+        n = min(n, req.committed - first) if self.can_spill else 0
+        if n <= 0:
+            return 0
+        keys = page_keys(req.namespace, req.tokens[:(first + n) * self.page_size], self.page_size)[first:]
+        leased = self.store.lease_warm(keys)
+        self.store.release(req.slots[:len(leased)])
+        req.spilled += leased
+        req.slots = req.slots[len(leased):]
+        self.spilled_pages += len(leased)
+        return len(leased)
+
+    def _release(self, req: Request) -> None:
+        self.store.release(req.slots)
+        self.store.release_warm(req.spilled)
+        req.slots, req.spilled = [], []
 
     def preempt(self, req: Request) -> None:
         self.commit(req)
-        self.store.release(req.slots)
-        req.slots, req.num_computed, req.committed = [], 0, 0
+        self._release(req)
+        req.num_computed, req.committed = 0, 0
         req.status = Status.WAITING
         req.preemptions += 1
         self.preemptions += 1
@@ -72,15 +102,15 @@ class Scheduler:
         self.waiting.append(req)  # sorted by arrival: ahead of everything that came later
 
     def commit(self, req: Request) -> None:
-        full = req.num_computed // self.page_size
+        full, first = req.num_computed // self.page_size, len(req.spilled)
         if full > req.committed:
-            self.store.commit(req.namespace, req.tokens[:full * self.page_size], req.slots[:full])
+            self.store.commit(req.namespace, req.tokens[:full * self.page_size],
+                              req.slots[req.committed - first:full - first], start_page=req.committed)
             req.committed = full
 
     def finish(self, req: Request) -> None:
         self.commit(req)
-        self.store.release(req.slots)
-        req.slots = []
+        self._release(req)
         req.status = Status.FINISHED
         self.running.remove(req)
 
@@ -98,23 +128,38 @@ class Scheduler:
         if quota and held + pages_total > quota and any(r.tenant == req.tenant for r in self.running):
             return 0
         try:
-            req.slots = self.store.acquire(m.keys)
+            self._acquire_prefix(req, m.keys)
         except OutOfCapacity:
             return 0
-        req.num_computed = len(req.slots) * self.page_size
-        req.committed = len(req.slots)
+        held = len(req.spilled) + len(req.slots)
+        req.num_computed = req.committed = held * self.page_size
+        req.committed = held
         if not req.admitted:
-            for tier in m.tiers[:len(req.slots)]:
-                req.cached_tokens[tier] += self.page_size
+            for i, tier in enumerate(m.tiers[:held]):
+                req.cached_tokens["peer" if i in req.peer_pages else tier] += self.page_size
             req.admitted = True
-        n = min(req.pending, budget, self.engine_cfg.prefill_chunk_tokens)
+        n = self._chunk(req, budget)
         if not self._grow(req, n):
-            self.store.release(req.slots)
-            req.slots, req.num_computed, req.committed = [], 0, 0
+            self._release(req)
+            req.num_computed = req.committed = 0
             return 0
         req.status = Status.RUNNING
         self.running.append(req)
         return n
+
+    def _acquire_prefix(self, req: Request, keys: list[bytes]) -> None:
+        """Hold req's cached prefix in hot; if it cannot fit and req would run alone, lease its
+        oldest pages in warm instead."""
+        try:
+            req.slots = self.store.acquire(keys)
+            return
+        except OutOfCapacity:
+            if not self.can_spill or self.running:
+                raise
+        room = max(self.store.hot_budget() - max(1, self.store.hot.num_pages // 2), 0)
+        split = max(len(keys) - room, 0)
+        req.spilled = self.store.lease_warm(keys[:split])
+        req.slots = self.store.acquire(keys[split:]) if len(req.spilled) == split else []
 
     def schedule(self) -> list[tuple[Request, int]]:
         """This step's work: (request, tokens to compute)."""
@@ -135,7 +180,7 @@ class Scheduler:
         for req in sorted(self.running, key=self._order):
             if req.pending <= 1 or budget < 1 or prefilling >= self.engine_cfg.prefill_concurrency:
                 continue
-            n = min(req.pending, budget, self.engine_cfg.prefill_chunk_tokens)
+            n = self._chunk(req, budget)
             if self._grow(req, n):
                 batch.append((req, n))
                 budget -= n

@@ -35,8 +35,6 @@ NOT_BUILT = {
                 "the sidecar server comes in a later version"),
     "job": ("run a long-document QA job: many questions over the same documents, their prefixes cached",
             "the job runner comes in a later version"),
-    "inspect": ("show what a running store holds: tiers, pages, prefixes",
-                "it needs the REST admin API, which comes in a later version"),
 }
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +111,9 @@ def _add_serve_command(subparsers) -> None:
                         "`model` (default: tiny)")
     p.add_argument("--host", help="address to listen on (config key server.host, default 127.0.0.1)")
     p.add_argument("--port", help="TCP port, 0 for any free one (config key server.port, default 8000)")
+    p.add_argument("--admin-port", help="TCP port of the REST admin API (config key admin.port, default 8081)")
+    p.add_argument("--redis-url", help="the cross-instance prefix index (config key cluster.redis_url; "
+                                       "default: none, local-only)")
     add_config_options(p)
     p.set_defaults(func=_run_serve)
 
@@ -121,22 +122,19 @@ def _run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    for key, value in (("model", args.model), ("server.host", args.host), ("server.port", args.port)):
+    for key, value in (("model", args.model), ("server.host", args.host), ("server.port", args.port),
+                       ("admin.port", args.admin_port), ("cluster.redis_url", args.redis_url)):
         if value is not None:
             args.set = [*args.set, f"{key}={value}"]
     config = config_from_args(args)
-    from engine import LLM, AsyncLLM
-    from engine.api import serve
+    from kvstore.server.node import run_serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = LLM(config.model, config=config)
-    try:
-        def ready(url: str) -> None:
-            print(f"kvstore serve: {llm.model_name} ready on {url} "
-                  "(OpenAI API: /v1/completions, /v1/chat/completions)", flush=True)
-        asyncio.run(serve(AsyncLLM(llm), config.server.host, config.server.port, on_ready=ready))
-    finally:
-        llm.close()
+
+    def ready(api: str, admin: str) -> None:
+        print(f"kvstore serve: {config.model} ready on {api} (OpenAI API: /v1/completions, "
+              f"/v1/chat/completions); admin API on {admin}", flush=True)
+    asyncio.run(run_serve(config, ready))
     return 0
 
 
@@ -183,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_module_command(subparsers, "kvstore.fsck")
     _add_module_command(subparsers, "kvstore.bench")
     _add_serve_command(subparsers)
+    _add_module_command(subparsers, "kvstore.inspect")
     for name, (help, why) in NOT_BUILT.items():
         _add_not_built(subparsers, name, help, why)
     return parser

@@ -221,6 +221,8 @@ class ClusterConfig:
     instance_id: str = opt("", _str, "this instance's name in the index (empty: host-pid-random)")
     advertise_url: str = opt("", _str, "the URL peers fetch pages from (empty: the admin API's own)")
     token: str = opt("", _str, "the shared secret instances present to each other to fetch pages")
+    fetch_policy: str = opt("auto", _str, "auto (fetch when cheaper than recomputing), always or never",
+                            lambda v: v in ("auto", "always", "never"))
     heartbeat_s: float = opt(1.0, _float, "seconds > 0", lambda v: v > 0)
     ttl_s: float = opt(3.0, _float, "seconds > 0, more than heartbeat_s: a silent instance is dead after it",
                        lambda v: v > 0)

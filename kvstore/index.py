@@ -3,6 +3,7 @@
 Invariants (checked by TieredStore.audit):
 - An entry exists while at least one tier holds its page (hot slot, warm slot or cold record).
 - `refcount` counts holders of the hot copy; a referenced entry always has a hot slot.
+- `leases` counts holders of the warm copy (sidecar clients); a leased entry always has a warm slot.
 - `kids` are the entries whose parent is this key; a child whose parent is absent waits in
   `_waiting` and is linked when the parent arrives, so `kids` is exact whatever the order.
 """
@@ -25,6 +26,7 @@ class PageEntry:
     warm: int | None = None      # warm slot
     cold: bool = False           # a record in the cold tier
     refcount: int = 0
+    leases: int = 0              # holders of the warm copy
     pin_until: float = 0.0       # monotonic deadline; 0 = not pinned
     hits: int = 0
     last_access: int = 0         # index tick

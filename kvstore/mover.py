@@ -3,8 +3,9 @@
 Caching is inclusive: promoting a page leaves its lower copies in place, so demoting it again
 is only a free. Demoting copies a page down where no lower copy exists: hot -> warm, what does
 not fit in warm -> cold, what fits nowhere leaves the store if it is a leaf (no cached page
-extends it) and otherwise stays. Referenced pages never leave hot; pinned pages never leave any
-tier; a cold record is deleted only when none of its children is in cold (leaves first).
+extends it) and otherwise stays. Referenced pages never leave hot, leased pages never leave
+warm, pinned pages never leave any tier; a cold record is deleted only when none of its
+children is in cold (leaves first).
 
 All methods run under the store's lock (TieredStore calls them); none takes a lock itself.
 """
@@ -25,7 +26,8 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 
 TIERS = ("hot", "warm", "cold")
-DIRECTIONS = ("hot_to_warm", "warm_to_hot", "warm_to_cold", "cold_to_warm", "hot_to_cold", "cold_to_hot")
+DIRECTIONS = ("hot_to_warm", "warm_to_hot", "warm_to_cold", "cold_to_warm", "hot_to_cold", "cold_to_hot",
+              "peer_to_warm")
 
 
 class PageMover:
@@ -83,6 +85,37 @@ class PageMover:
         self.emit("add", e.key, "warm")
         return True
 
+    def ensure_warm_copy(self, e: PageEntry) -> bool:
+        """Give e a warm copy itself (from hot, else cold). False if warm has no room or the record is bad."""
+        if e.warm is not None:
+            self.counters["warm"]["hits"] += 1
+            return True
+        self.counters["warm"]["misses"] += 1
+        if not self.make_room("warm", 1):
+            return False
+        [slot] = self.warm.pool.alloc(1)
+        if e.hot is not None:
+            self.hot.save_to([e.hot], self.warm, [slot])
+            self.bytes_moved["hot_to_warm"] += self.spec.page_bytes
+        elif self.read_cold(e, self.warm.raw[slot]):
+            self.bytes_moved["cold_to_warm"] += self.spec.page_bytes
+            self.counters["warm"]["promotions"] += 1
+        else:
+            self.warm.pool.free([slot])
+            return False
+        self.index.set_warm(e, slot)
+        self.emit("add", e.key, "warm")
+        return True
+
+    def page_bytes(self, e: PageEntry):
+        """A page-first byte copy of e's page from its fastest tier (None if its cold record is bad)."""
+        if e.warm is not None:
+            return self.warm.raw[e.warm].numpy().tobytes()
+        if e.hot is not None:
+            return self.hot.gather([e.hot]).cpu().view(torch.uint8).numpy().tobytes()
+        out = torch.empty(self.spec.page_bytes, dtype=torch.uint8)
+        return out.numpy().tobytes() if self.read_cold(e, out) else None
+
     def read_cold(self, e: PageEntry, out: torch.Tensor) -> bool:
         """Read and verify e's cold record into `out`; a bad record is a counted miss, never served."""
         if self.cold is None or not e.cold:
@@ -101,7 +134,7 @@ class PageMover:
 
     # down
     def evictable(self, e: PageEntry, tier: str, now: float) -> bool:
-        if e.pinned(now) or (tier == "hot" and e.refcount):
+        if e.pinned(now) or (tier == "hot" and e.refcount) or (tier == "warm" and e.leases):
             return False
         if tier == "cold":
             if any(self.index.entries[k].cold for k in e.kids if k in self.index.entries):
@@ -164,6 +197,16 @@ class PageMover:
         done += [e for e in need if not e.kids]  # fits nowhere: leaves leave the store
         self.remove_copies(done, tier)
         return len(done)
+
+    def evict_entries(self, entries: list[PageEntry], tiers: tuple[str, ...]) -> int:
+        """Demote each entry out of each of `tiers` where it may leave; returns how many copies left."""
+        moved = 0
+        for tier in tiers:
+            for e in entries:
+                in_tier = e.hot is not None if tier == "hot" else e.warm is not None if tier == "warm" else e.cold
+                if in_tier and e.key in self.index and self.evictable(e, tier, self.index.now()):
+                    moved += self.demote([e], tier)
+        return moved
 
     def write_cold(self, entries: list[PageEntry], make_room: bool) -> list[PageEntry]:
         """Write entries' pages (from warm, else hot) to cold; returns the prefix of entries written."""

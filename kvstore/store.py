@@ -6,6 +6,8 @@ keys (keys.py), indexed by PageIndex (where, who holds them, how used) and moved
 A caller's life cycle: match(tokens) -> acquire(match.keys) (hot slots of the cached prefix,
 referenced) -> allocate(n) (fresh hot slots for the rest) -> fill them -> commit(tokens, slots)
 -> release(slots). Released pages stay cached (refcount 0) until evicted.
+Another process sharing the warm tier (the sidecar's client) does the same in warm:
+lease_warm(keys) / allocate_warm(n) -> fill -> commit_warm(tokens, slots) -> release_warm(slots).
 
 Thread model: every public method takes one re-entrant lock and is synchronous. Cold-tier I/O
 happens inside it on the calling thread (the writer thread does the LMDB writes), so async
@@ -25,7 +27,9 @@ from kvstore.config import Config
 from kvstore.errors import KVStoreError, OutOfCapacity
 from kvstore.index import PageEntry, PageIndex
 from kvstore.keys import Namespace, page_keys, tokens_bytes
+from kvstore import record
 from kvstore.mover import TIERS, PageMover
+from kvstore.record import RecordHeader
 from kvstore.spec import KVSpec
 from kvstore.tiers.device import DeviceTier, resolve_device
 from kvstore.tiers.disk import DiskTier
@@ -84,6 +88,7 @@ class TieredStore:
         self.index = PageIndex()
         self._lock = threading.RLock()
         self._owned: set[int] = set()   # hot slots allocated to callers and not committed
+        self._warm_owned: set[int] = set()   # the same in warm (allocate_warm)
         self._listeners: list[Listener] = []
         self._release_waiters: list[Callable[[], None]] = []
         self.write_through_pending: list[bytes] = []
@@ -168,19 +173,21 @@ class TieredStore:
             return self.hot.pool.num_free + sum(1 for e in self.index.hot_slots.values()
                                                 if self.mover.evictable(e, "hot", now))
 
-    def commit(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int]) -> list[bytes]:
-        """Give keys to the full pages of `tokens`; slots[i] holds page i, filled by the caller.
+    def commit(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int],
+               start_page: int = 0) -> list[bytes]:
+        """Give keys to full pages of `tokens`; slots[i] holds page start_page + i, filled by the caller.
 
         The caller keeps holding each committed page (one reference). A page whose key is
         already cached in hot stays the caller's private copy and is freed on release.
-        Pages committed before (by this caller) are skipped.
+        Pages committed before (by this caller) are skipped. Returns the keys of those pages.
         """
         ps = self.spec.page_size
-        keys = page_keys(namespace, tokens, ps)[:len(slots)]
+        chain = page_keys(namespace, tokens, ps)[:start_page + len(slots)]
+        keys = chain[start_page:]
         with self._lock:
-            prev = namespace.digest
-            for i, key in enumerate(keys):
-                slot, e = slots[i], self.index.get(key)
+            prev = chain[start_page - 1] if start_page else namespace.digest
+            for i, key in enumerate(keys, start=start_page):
+                slot, e = slots[i - start_page], self.index.get(key)
                 if slot not in self._owned:
                     if e is None or e.hot != slot:
                         raise KVStoreError(f"commit: hot slot {slot} is not allocated to the caller")
@@ -253,6 +260,119 @@ class TieredStore:
                 done += 1
         return done
 
+    # pages exchanged with peer instances, as cold-format records
+    def export_records(self, namespace: bytes, keys: Sequence[bytes]) -> list[bytes]:
+        """Records (kvstore.record format) of a prefix chain of this namespace, from whichever tier
+        holds each page; stops at the first page that is missing or unreadable."""
+        out = []
+        with self._lock:
+            for key in keys:
+                e = self.index.get(key)
+                if e is None or e.namespace != namespace:
+                    break
+                page = self.mover.page_bytes(e)
+                if page is None:
+                    break
+                header = RecordHeader(e.key, e.parent, e.namespace, e.tokens, self.spec.fingerprint,
+                                      self.spec.page_bytes)
+                out.append(record.encode_bytes(header, page))
+        return out
+
+    def import_records(self, records: Sequence[tuple[RecordHeader, bytes]]) -> int:
+        """Put verified pages (a prefix chain whose first parent is cached or the root) into warm,
+        as cached pages; returns how many are now cached. The caller has verified them."""
+        done = 0
+        with self._lock:
+            for header, payload in records:
+                e = self.index.get(header.key)
+                if e is None:
+                    if header.parent != header.namespace and header.parent not in self.index:
+                        break
+                    if not self.mover.make_room("warm", 1):
+                        break
+                    [slot] = self.warm.pool.alloc(1)
+                    self.warm.raw[slot].numpy()[:] = memoryview(payload).cast("B")
+                    parent = self.index.get(header.parent)
+                    e = self.index.add(PageEntry(header.key, header.parent, header.namespace, header.tokens,
+                                                 depth=parent.depth + 1 if parent else 0))
+                    self.index.set_warm(e, slot)
+                    self.mover.bytes_moved["peer_to_warm"] += self.spec.page_bytes
+                    self._emit("add", header.key, "warm")
+                done += 1
+        return done
+
+    # warm pages shared with another process (the sidecar): leased instead of referenced
+    def allocate_warm(self, n: int) -> list[int]:
+        """n warm slots for the caller to fill, evicting unleased warm pages if needed."""
+        with self._lock:
+            if not self.mover.make_room("warm", n):
+                raise OutOfCapacity(f"out of warm capacity: {n} warm pages requested, {self.warm.pool.num_free} free "
+                                    f"of {self.warm.num_slots} ({len(self._warm_owned)} allocated, others leased or pinned)")
+            slots = self.warm.pool.alloc(n)
+            self._warm_owned.update(slots)
+            return slots
+
+    def commit_warm(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int],
+                    start_page: int = 0) -> list[bytes]:
+        """Give keys to pages start_page.. of `tokens`, written by the caller into warm slots from
+        allocate_warm; returns their keys. They become cached, unleased. A slot whose page is cached
+        already is freed. Page start_page - 1 must be cached. On error nothing has changed."""
+        ps, end = self.spec.page_size, start_page + len(slots)
+        if start_page < 0 or end > len(tokens) // ps:
+            raise KVStoreError(f"commit_warm: pages {start_page}..{end - 1} need {end * ps} tokens, got {len(tokens)}")
+        keys = page_keys(namespace, tokens, ps)[:end]
+        with self._lock:
+            if not self._warm_owned.issuperset(slots) or len(set(slots)) < len(slots):
+                raise KVStoreError(f"commit_warm: warm slots {list(slots)} are not all allocated to the caller")
+            parent = keys[start_page - 1] if start_page else namespace.digest
+            if start_page and parent not in self.index:
+                raise KVStoreError(f"commit_warm: page {start_page - 1}, the parent of page {start_page}, is not cached")
+            for i, slot in enumerate(slots, start=start_page):
+                self._warm_owned.discard(slot)
+                if keys[i] in self.index:
+                    self.warm.pool.free([slot])
+                else:
+                    e = self.index.add(PageEntry(keys[i], parent, namespace.digest,
+                                                 tokens_bytes(tokens[i * ps:(i + 1) * ps]), depth=i))
+                    self.index.set_warm(e, slot)
+                    if self.config.write_policy == "write_through":
+                        self.write_through_pending.append(keys[i])
+                    self._emit("add", keys[i], "warm")
+                parent = keys[i]
+        return keys[start_page:]
+
+    def lease_warm(self, keys: Sequence[bytes], namespace: Namespace | None = None) -> list[int]:
+        """Warm slots holding these pages (a prefix chain), each now leased once by the caller: the page
+        stays in that slot, unchanged, until release_warm. Pages only in hot or cold are copied to warm.
+        Stops at the first page that is gone, of another namespace, bad, or finds no warm room."""
+        slots: list[int] = []
+        with self._lock:
+            for key in keys:
+                e = self.index.get(key)
+                if (e is None or (namespace is not None and e.namespace != namespace.digest)
+                        or not self.mover.ensure_warm_copy(e)):
+                    break
+                e.leases += 1
+                e.hits += 1
+                self.index.touch(e)
+                slots.append(e.warm)
+        return slots
+
+    def release_warm(self, slots: Sequence[int]) -> None:
+        """End the caller's leases on these warm slots and free its uncommitted ones; all or nothing."""
+        with self._lock:
+            for slot in slots:
+                e = self.index.warm_slots.get(slot)
+                if slot not in self._warm_owned and (e is None or e.leases < slots.count(slot)):
+                    raise KVStoreError(f"release_warm: warm slot {slot} is not leased or allocated")
+            for slot in reversed(slots):
+                if slot in self._warm_owned:
+                    self._warm_owned.discard(slot)
+                    self.warm.pool.free([slot])
+                    continue
+                self.index.warm_slots[slot].leases -= 1
+                self.index.touch(self.index.warm_slots[slot])
+
     # operator controls
     def pin(self, keys: Iterable[bytes], ttl_s: float | None = None) -> int:
         """Keep these pages in the tiers they are in until unpinned or ttl_s (config pin_ttl_s) passes."""
@@ -279,7 +399,7 @@ class TieredStore:
         leave = {"warm": ("hot",), "cold": ("hot", "warm"), None: ("hot", "warm", "cold")}[to]
         with self._lock:
             entries = sorted((e for e in map(self.index.get, keys) if e is not None), key=lambda e: -e.depth)
-            return self._evict_entries(entries, leave)
+            return self.mover.evict_entries(entries, leave)
 
     def flush(self, tier: str) -> int:
         """Move every page that may leave `tier` one tier down (out of the store, for cold)."""
@@ -287,16 +407,7 @@ class TieredStore:
             raise KVStoreError(f"flush: tier = {tier!r}: must be one of {', '.join(TIERS)}")
         with self._lock:
             entries = sorted(self.index.in_tier(tier), key=lambda e: -e.depth)
-            return self._evict_entries(entries, (tier,))
-
-    def _evict_entries(self, entries: list[PageEntry], tiers: tuple[str, ...]) -> int:
-        moved = 0
-        for tier in tiers:
-            for e in entries:
-                in_tier = e.hot is not None if tier == "hot" else e.warm is not None if tier == "warm" else e.cold
-                if in_tier and e.key in self.index and self.mover.evictable(e, tier, self.index.now()):
-                    moved += self.mover.demote([e], tier)
-        return moved
+            return self.mover.evict_entries(entries, (tier,))
 
     # the daemon's periodic work
     def rebalance(self) -> dict[str, int]:
@@ -319,14 +430,15 @@ class TieredStore:
                 now = self.index.now()
                 leaves = [e for e in self.index.entries.values() if not e.kids and not e.refcount and not e.pinned(now)]
                 for e in sorted(leaves, key=lambda e: e.last_access)[:over]:
-                    self._evict_entries([e], TIERS)
+                    self.mover.evict_entries([e], TIERS)
         return moved
 
     def write_through(self, limit: int = 256) -> int:
         """Copy committed pages down now (write_through policy), so that evicting them is a free."""
         with self._lock:
             keys, self.write_through_pending = self.write_through_pending[:limit], self.write_through_pending[limit:]
-            entries = [e for e in map(self.index.get, dict.fromkeys(keys)) if e is not None and e.hot is not None]
+            entries = [e for e in map(self.index.get, dict.fromkeys(keys)) if e is not None
+                       and (e.hot is not None or e.warm is not None)]
             to_warm = [e for e in entries if e.warm is None]
             if to_warm and self.mover.make_room("warm", len(to_warm), {e.key for e in entries}):
                 slots = self.warm.pool.alloc(len(to_warm))
@@ -338,6 +450,13 @@ class TieredStore:
             return len(entries)
 
     # observability
+    def residency(self, keys: Sequence[bytes] | None = None) -> dict[bytes, tuple[str, bytes] | None]:
+        """Each key's fastest tier and namespace digest (None when not cached); all pages without keys."""
+        with self._lock:
+            if keys is None:
+                return {k: (e.tier, e.namespace) for k, e in self.index.entries.items()}
+            return {k: ((e.tier, e.namespace) if (e := self.index.get(k)) is not None else None) for k in keys}
+
     def stats(self) -> dict:
         with self._lock:
             now = self.index.now()
@@ -354,6 +473,8 @@ class TieredStore:
                     "high_watermark": cfg.high_watermark, "low_watermark": cfg.low_watermark,
                     **self.mover.counters[name]}
             tiers["hot"]["allocated_pages"] = len(self._owned)
+            tiers["warm"]["allocated_pages"] = len(self._warm_owned)
+            tiers["warm"]["leased_pages"] = sum(1 for e in self.index.warm_slots.values() if e.leases)
             return {"page_bytes": self.spec.page_bytes, "spec": self.spec.describe(), "tiers": tiers,
                     "bytes_moved": dict(self.mover.bytes_moved), "entries": len(self.index),
                     "corrupt_pages": self.mover.corrupt_pages, "mismatched_pages": self.mismatched_pages,
@@ -365,7 +486,7 @@ class TieredStore:
             problems = []
             held = {s for s, e in self.index.hot_slots.items()}
             for pool, name, slots in ((self.hot.pool, "hot", held | self._owned),
-                                      (self.warm.pool, "warm", set(self.index.warm_slots))):
+                                      (self.warm.pool, "warm", set(self.index.warm_slots) | self._warm_owned)):
                 used = {s for s in range(pool.num_slots) if pool.is_used(s)}
                 if used != slots:
                     problems.append(f"{name}: {len(used)} slots used, {len(slots)} accounted for")
@@ -380,6 +501,8 @@ class TieredStore:
                     problems.append(f"{e.key.hex()[:12]}: indexed but in no tier")
                 if e.refcount and e.hot is None:
                     problems.append(f"{e.key.hex()[:12]}: referenced without a hot copy")
+                if e.leases and e.warm is None:
+                    problems.append(f"{e.key.hex()[:12]}: leased without a warm copy")
             return {"referenced_pages": sum(1 for e in self.index.entries.values() if e.refcount),
                     "total_refcount": sum(e.refcount for e in self.index.entries.values()),
                     "allocated_slots": len(self._owned), "problems": problems}

@@ -12,8 +12,9 @@ import torch
 class AttentionBatch:
     """One step's sequences, flattened: sequence i owns query rows qo_indptr[i]:qo_indptr[i+1].
 
-    Its KV (this step's tokens included, already written) is kv_lens[i] tokens in the hot pages
-    page_table[i]. Queries are the last q_len of those tokens (bottom-right causal alignment).
+    Its KV (this step's tokens included, already written) is kv_lens[i] tokens: first the pages
+    warm_tables[i] of the warm tier (a long sequence's oldest pages, spilled there), then the hot
+    pages page_tables[i]. Queries are the last q_len of those tokens (bottom-right causal alignment).
     """
 
     qo_indptr: list[int]
@@ -24,6 +25,14 @@ class AttentionBatch:
     num_kv_heads: int
     head_dim: int
     device: torch.device
+    warm_tables: list[list[int]] | None = None
+
+    @property
+    def spilled(self) -> bool:
+        return bool(self.warm_tables) and any(self.warm_tables)
+
+    def num_warm(self, i: int) -> int:
+        return len(self.warm_tables[i]) if self.warm_tables else 0
 
     @property
     def num_seqs(self) -> int:
@@ -50,12 +59,16 @@ class AttentionBatch:
 
 
 class AttentionBackend(ABC):
-    """plan() once per step, then run() once per layer with that layer's paged cache."""
+    """plan() once per step, then run() once per layer with that layer's paged cache.
+
+    A backend with supports_spill reads spilled pages from the warm tier's layer view too."""
+
+    supports_spill = False
 
     @abstractmethod
     def plan(self, batch: AttentionBatch, dtype: torch.dtype) -> None: ...
 
     @abstractmethod
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        """q [tokens, qo_heads, head_dim]; kv_cache [pages, 2, page_size, kv_heads, head_dim]
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, warm_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """q [tokens, qo_heads, head_dim]; kv_cache and warm_cache [pages, 2, page_size, kv_heads, head_dim]
         -> [tokens, qo_heads, head_dim]."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionBatch
+from kvstore.errors import NotBuilt
 
 try:
     import flashinfer
@@ -30,6 +31,8 @@ class FlashInferBackend(AttentionBackend):
         self.wrapper = None
 
     def plan(self, batch: AttentionBatch, dtype: torch.dtype) -> None:
+        if batch.spilled:
+            raise NotBuilt("the flashinfer backend cannot read pages spilled to the warm tier")
         indptr, indices, last = batch.kv_indptr(), batch.kv_indices(), batch.kv_last_page_len()
         if batch.is_decode:
             self.decode.plan(indptr, indices, last, batch.num_qo_heads, batch.num_kv_heads, batch.head_dim,
@@ -42,5 +45,5 @@ class FlashInferBackend(AttentionBackend):
                               kv_data_type=dtype)
             self.wrapper = self.prefill
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, warm_cache: torch.Tensor | None = None) -> torch.Tensor:
         return self.wrapper.run(q, kv_cache)

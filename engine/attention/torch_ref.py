@@ -13,11 +13,15 @@ from engine.attention.base import AttentionBackend, AttentionBatch
 
 
 class TorchBackend(AttentionBackend):
+    supports_spill = True
+
     def plan(self, batch: AttentionBatch, dtype: torch.dtype) -> None:
         self.batch = batch
         dev, ps = batch.device, batch.page_size
-        used = [p[:-(-n // ps)] for p, n in zip(batch.page_tables, batch.kv_lens)]
-        self.decode = batch.is_decode
+        used = [p[:-(-n // ps) - batch.num_warm(i)] for i, (p, n) in enumerate(zip(batch.page_tables, batch.kv_lens))]
+        self.decode = batch.is_decode and not batch.spilled
+        self._warm = [torch.tensor(batch.warm_tables[i] if batch.warm_tables else [], dtype=torch.long, device=dev)
+                      for i in range(batch.num_seqs)]
         if self.decode:
             width = max(len(p) for p in used)
             self._pages = torch.tensor([p + [p[0]] * (width - len(p)) for p in used], dtype=torch.long, device=dev)
@@ -31,8 +35,8 @@ class TorchBackend(AttentionBackend):
             qpos = torch.arange(n - q_len, n, device=dev)[:, None]
             self._masks.append(torch.arange(n, device=dev)[None, :] <= qpos)  # [q_len, kv_len]
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        return self._run_decode(q, kv_cache) if self.decode else self._run_each(q, kv_cache)
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, warm_cache: torch.Tensor | None = None) -> torch.Tensor:
+        return self._run_decode(q, kv_cache) if self.decode else self._run_each(q, kv_cache, warm_cache)
 
     def _run_decode(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         b = self.batch
@@ -46,7 +50,7 @@ class TorchBackend(AttentionBackend):
         out = torch.einsum("bhgk,bkhd->bhgd", scores.softmax(-1), v)
         return out.reshape(seqs, b.num_qo_heads, b.head_dim).to(q.dtype)
 
-    def _run_each(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def _run_each(self, q: torch.Tensor, kv_cache: torch.Tensor, warm_cache: torch.Tensor | None) -> torch.Tensor:
         b = self.batch
         group = b.num_qo_heads // b.num_kv_heads
         scale = 1.0 / math.sqrt(b.head_dim)
@@ -54,6 +58,8 @@ class TorchBackend(AttentionBackend):
         for i, n in enumerate(b.kv_lens):
             lo, hi = b.qo_indptr[i], b.qo_indptr[i + 1]
             kv = kv_cache[self._pages[i]]                       # [pages, 2, page_size, kv_heads, head_dim]
+            if len(self._warm[i]):                              # the oldest pages, spilled to warm
+                kv = torch.cat([warm_cache[self._warm[i]].to(kv.device), kv])
             k = kv[:, 0].reshape(-1, b.num_kv_heads, b.head_dim)[:n].float()
             v = kv[:, 1].reshape(-1, b.num_kv_heads, b.head_dim)[:n].float()
             k = k.repeat_interleave(group, dim=1).transpose(0, 1)   # [heads, kv_len, head_dim]

@@ -383,12 +383,12 @@ async def run_kvstore(*args: str, cwd) -> asyncio.subprocess.Process:
 
 
 async def test_kvstore_serve_answers_and_stops_on_sigterm(tmp_path):
-    proc = await run_kvstore("serve", "--model", "tiny", "--port", "0", "--data-dir", str(tmp_path / "data"),
-                             "--set", "hot.pool=8MiB", cwd=tmp_path)
+    proc = await run_kvstore("serve", "--model", "tiny", "--port", "0", "--admin-port", "0",
+                             "--data-dir", str(tmp_path / "data"), "--set", "hot.pool=8MiB", cwd=tmp_path)
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
         m = re.fullmatch(r"kvstore serve: tiny ready on (http://127\.0\.0\.1:\d+) \(OpenAI API: /v1/completions, "
-                         r"/v1/chat/completions\)\n", line)
+                         r"/v1/chat/completions\); admin API on (http://127\.0\.0\.1:\d+)\n", line)
         assert m, (line, (await proc.stderr.read()).decode()[-2000:] if not line else "")
         async with aiohttp.ClientSession() as session:
             api = Api.__new__(Api)
@@ -396,6 +396,13 @@ async def test_kvstore_serve_answers_and_stops_on_sigterm(tmp_path):
             assert await api.get("/health") == (200, {"status": "ok"})
             status, body, _ = await api.post("/v1/completions", completion(SECRET, max_tokens=4))
             assert status == 200 and body["usage"]["completion_tokens"] == 4
+            admin = Api.__new__(Api)
+            admin.session, admin.url = session, m.group(2)
+            assert (await admin.get("/readyz"))[0] == 200
+            status, stats = await admin.get("/v1/stats")
+            assert status == 200 and stats["engine"]["running"] == 0
+            async with session.get(m.group(2) + "/metrics") as resp:
+                assert "kvstore_request_latency_seconds_count 4.0" in await resp.text()
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 20) == 0
         err = (await proc.stderr.read()).decode()

@@ -177,3 +177,21 @@ async def test_async_engine_streams_and_aborts(tmp_path):
     finally:
         await engine.stop()
         llm.close()
+
+
+def test_sequence_longer_than_the_hot_tier_spills_to_warm_and_stays_exact(tmp_path):
+    prompt = prompt_ids(7, 150)                        # 10 pages; the hot tier holds 6
+    params = SamplingParams(max_tokens=40, logprobs=2)  # and it grows to 12 pages
+    [ref] = make_llm(tmp_path / "ref").generate([prompt], params)
+    page = 2 * 2 * 2 * 16 * 16 * 4
+    llm = make_llm(tmp_path / "small", hot__pool=str(6 * page), warm__bytes=str(32 * page))
+    try:
+        [out] = llm.generate([prompt], params)
+        assert_same_generation(out, ref)
+        assert llm.stats()["spilled_pages"] > 0
+        [again] = llm.generate([prompt], params)        # its cached prefix is longer than hot too
+        assert_same_generation(again, ref)
+        assert sum(again.cached_tokens.values()) == (len(prompt) - 1) // 16 * 16
+        assert llm.store.audit()["problems"] == [] and llm.store.audit()["total_refcount"] == 0
+    finally:
+        llm.close()

@@ -1,0 +1,84 @@
+"""ClusterNode: this instance's part in the cluster: its Redis index entry, fetching prefixes
+from peers, and the admin routes that go with them (/v1/peers, /v1/peer/pages, the peers of
+/v1/lookup). Without cluster.redis_url the routes answer that the cluster is disabled.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from aiohttp import web
+
+from kvstore.cluster.peer import PeerFetcher, serve_pages
+from kvstore.cluster.redis_index import RedisIndex
+from kvstore.config import Config
+from kvstore.keys import Namespace, page_keys
+
+log = logging.getLogger("kvstore.cluster")
+CLUSTER: web.AppKey = web.AppKey("kvstore.cluster", object)
+
+
+class ClusterNode:
+    def __init__(self, config: Config, store, daemon, url: str,
+                 prefill_tokens_per_s=lambda: 2000.0):
+        self.config, self.store, self.daemon = config, store, daemon
+        cfg = config.cluster
+        self.index = RedisIndex(cfg, cfg.advertise_url or url, store.residency, self._snapshot)
+        self.fetcher = PeerFetcher(store, daemon, self.index, cfg.token, cfg.fetch_policy, prefill_tokens_per_s)
+
+    def _snapshot(self):
+        return [(k, tier, ns) for k, (tier, ns) in self.store.residency().items()]
+
+    async def start(self) -> None:
+        self.store.add_listener(self.index.on_residency)
+        await self.index.start()
+
+    async def stop(self) -> None:
+        await self.fetcher.close()
+        await self.index.stop()
+
+    async def prefetch(self, tokens: Sequence[int], ns: Namespace) -> tuple[int, int]:
+        return await self.fetcher.prefetch(tokens, ns)
+
+    async def lookup_peers(self, tokens: Sequence[int], ns: Namespace) -> list[dict]:
+        keys = page_keys(ns, tokens, self.store.spec.page_size)
+        return [{"instance": p["instance"], "tokens": p["pages"] * self.store.spec.page_size, "tier": p["tier"]}
+                for p in await self.index.lookup(ns.digest, keys)]
+
+    def stats(self) -> dict:
+        return {**self.index.stats(), "fetch": self.fetcher.stats()}
+
+
+def add_cluster_routes(app: web.Application, store, daemon) -> None:
+    """/v1/peers, /v1/peers/forget and /v1/peer/pages; app[CLUSTER] is the ClusterNode, if any."""
+
+    async def peers(request: web.Request) -> web.Response:
+        node = request.app.get(CLUSTER)
+        if node is None:
+            return web.json_response({"state": "disabled", "instance": None, "peers": []})
+        live = await node.index.live() if node.index.state == "connected" else {}
+        return web.json_response({"state": node.index.state, "instance": node.index.id,
+                                  "peers": [{"instance": i, "url": v["url"], "expires": v["expires"]}
+                                            for i, v in sorted(live.items())]})
+
+    async def forget(request: web.Request) -> web.Response:
+        node = request.app.get(CLUSTER)
+        if node is None or node.index.state != "connected":
+            return web.json_response({"error": "the cluster index is not connected"}, status=409)
+        try:
+            body = await request.json()
+            instance = body["instance"]
+            if not isinstance(instance, str) or not instance or set(body) != {"instance"}:
+                raise ValueError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return web.json_response({"error": "body must be {\"instance\": \"<instance id>\"}"}, status=400)
+        return web.json_response({"instance": instance, "removed": await node.index.forget(instance)})
+
+    async def pages(request: web.Request) -> web.StreamResponse:
+        node = request.app.get(CLUSTER)
+        return await serve_pages(request, store, daemon, node.config.cluster.token if node else "")
+
+    app.router.add_get("/v1/peers", peers)
+    app.router.add_post("/v1/peers/forget", forget)
+    app.router.add_post("/v1/peer/pages", pages)

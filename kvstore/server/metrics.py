@@ -1,0 +1,115 @@
+"""Prometheus metrics: the store's counters read at scrape time, plus histograms fed by calls.
+
+A wrapper around the store, not code inside it: `StoreCollector` turns `store.stats()` (and the
+engine's queue, when there is one) into `kvstore_*` families on each scrape; `Metrics` owns its
+own CollectorRegistry (never the process-global one) with the request and prefetch histograms
+that the engine and the daemon feed through observe_request() and observe_prefetch().
+
+render() reads the store under its lock: async callers run it in the daemon's worker threads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TIERS = ("hot", "warm", "cold")
+TIER_COUNTERS = ("hits", "misses", "evictions", "promotions")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PREFETCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def engine_stats(engine: Any) -> dict | None:
+    """The engine's queue (waiting, running, preemptions, computed_tokens): an LLM or an AsyncLLM."""
+    if engine is None:
+        return None
+    target = engine if hasattr(engine, "stats") else getattr(engine, "llm", None)
+    return dict(target.stats()) if target is not None else None
+
+
+class StoreCollector(Collector):
+    """Reads store.stats() at scrape time and yields the kvstore_ families."""
+
+    def __init__(self, store, engine: Any = None):
+        self.store, self.engine = store, engine
+
+    def describe(self) -> Iterable[Metric]:
+        return []   # nothing to describe up front: registering must not read the store
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.store.stats()
+        tiers = stats["tiers"]
+
+        def per_tier(family, field: str):
+            for tier in TIERS:
+                family.add_metric([tier], tiers[tier][field])
+            return family
+
+        yield per_tier(GaugeMetricFamily("kvstore_tier_capacity_bytes", "Bytes the tier can hold",
+                                         labels=["tier"]), "capacity_bytes")
+        yield per_tier(GaugeMetricFamily("kvstore_tier_used_bytes", "Bytes the tier holds now",
+                                         labels=["tier"]), "used_bytes")
+        yield per_tier(GaugeMetricFamily("kvstore_tier_pages", "Pages in the tier", labels=["tier"]), "pages")
+        yield per_tier(GaugeMetricFamily("kvstore_tier_referenced_pages", "Pages in the tier held by requests",
+                                         labels=["tier"]), "referenced_pages")
+        yield per_tier(GaugeMetricFamily("kvstore_tier_pinned_pages", "Pages in the tier pinned by an operator",
+                                         labels=["tier"]), "pinned_pages")
+        yield per_tier(GaugeMetricFamily("kvstore_tier_high_watermark", "Usage fraction above which the "
+                                         "daemon demotes pages", labels=["tier"]), "high_watermark")
+        for field in TIER_COUNTERS:
+            yield per_tier(CounterMetricFamily(f"kvstore_tier_{field}", f"Page {field} in the tier",
+                                               labels=["tier"]), field)
+        moved = CounterMetricFamily("kvstore_bytes_moved", "Bytes copied between tiers", labels=["direction"])
+        for direction, n in sorted(stats["bytes_moved"].items()):
+            moved.add_metric([direction], n)
+        yield moved
+        yield CounterMetricFamily("kvstore_corrupt_pages", "Cold pages that failed their checksum",
+                                  value=stats["corrupt_pages"])
+        yield CounterMetricFamily("kvstore_mismatched_pages", "Lookups whose page did not match the request's "
+                                  "tokens", value=stats["mismatched_pages"])
+        yield GaugeMetricFamily("kvstore_index_entries", "Pages in the index", value=stats["entries"])
+        queue = engine_stats(self.engine) or {}
+        yield GaugeMetricFamily("kvstore_queue_depth", "Requests waiting for the engine",
+                                value=queue.get("waiting", 0))
+        yield GaugeMetricFamily("kvstore_running_requests", "Requests the engine is running",
+                                value=queue.get("running", 0))
+
+
+class Metrics:
+    """The admin API's /metrics: a registry of its own with the store collector and the histograms.
+
+    The engine integration calls observe_request() once per finished request and the daemon
+    observe_prefetch() once per prefetch; both are thread-safe.
+    """
+
+    def __init__(self, store, engine: Any = None):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(StoreCollector(store, engine))
+        self.prefetch_seconds = Histogram("kvstore_prefetch_seconds", "Time to bring a prefix up a tier",
+                                          buckets=PREFETCH_BUCKETS, registry=self.registry)
+        self.request_latency = Histogram("kvstore_request_latency_seconds", "Request time, arrival to last token",
+                                         buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("kvstore_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=self.registry)
+        self.requests = Counter("kvstore_requests", "Finished requests, by status", ["status"],
+                                registry=self.registry)
+        for status in ("ok", "error"):
+            self.requests.labels(status)   # both series exist from the start, so ratios are defined
+
+    def observe_request(self, ttft_s: float | None, latency_s: float, ok: bool) -> None:
+        """One finished request: its time to first token (None if it produced none) and total time."""
+        self.requests.labels("ok" if ok else "error").inc()
+        self.request_latency.observe(latency_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+
+    def observe_prefetch(self, seconds: float) -> None:
+        self.prefetch_seconds.observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text format (CONTENT_TYPE)."""
+        return generate_latest(self.registry)

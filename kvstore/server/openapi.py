@@ -1,0 +1,235 @@
+"""The admin API's OpenAPI 3.1 document, served at /openapi.json.
+
+The request schemas say exactly what admin.py accepts (admin.py checks the same rules by hand,
+with one-line messages); the tests validate every response against the response schemas and
+generate requests from the request schemas.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from kvstore import __version__
+
+HEX_KEY = "^[0-9a-fA-F]{64}$"
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TENANT_CHARS = 256
+MAX_TTL_S = 365 * 24 * 3600
+MAX_LIMIT = 1000
+TIERS = ["hot", "warm", "cold"]
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _int(minimum: int = 0) -> dict:
+    return {"type": "integer", "minimum": minimum}
+
+
+def _obj(properties: dict, required: list[str] | None = None, **extra) -> dict:
+    return {"type": "object", "properties": properties, "additionalProperties": False,
+            "required": list(properties) if required is None else required, **extra}
+
+
+_KEY = {"type": "string", "pattern": HEX_KEY, "description": "a page key or namespace digest, 64 hex digits"}
+_TIER_COUNTS = _obj({t: _int() for t in TIERS})
+
+# request bodies: `keys` or `tokens` (a prefix, in `tenant`'s namespace), never both
+_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
+           "description": "token ids"}
+_KEYS = {"type": "array", "items": {"type": "string", "pattern": HEX_KEY}, "description": "page keys (hex)"}
+_TENANT = {"type": "string", "maxLength": MAX_TENANT_CHARS,
+           "description": "the tenant whose namespace `tokens` are in (default: none)"}
+_TTL = {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TTL_S,
+        "description": "seconds the pin lasts (default: config pin_ttl_s)"}
+_KEYS_OR_TOKENS = [{"required": ["keys"]}, {"required": ["tokens"]}]
+
+
+def _target(required: list[str], **more) -> dict:
+    """A request naming pages by key, or a prefix by tokens."""
+    return _obj({"keys": _KEYS, "tokens": _TOKENS, "tenant": _TENANT, **more}, required=required,
+                oneOf=_KEYS_OR_TOKENS)
+
+
+SCHEMAS = {
+    "Error": _obj({"error": {"type": "string", "description": "what went wrong, one line"}}),
+    "Health": _obj({"status": {"const": "ok"}}),
+    "Ready": _obj({"ready": {"type": "boolean"},
+                   "checks": _obj({"store": {"type": "boolean", "description": "the cold tier is indexed"},
+                                   "engine": {"type": "boolean", "description": "the engine's warm-up is done"},
+                                   "accepting": {"type": "boolean", "description": "not draining"}})}),
+    "TierStats": _obj({
+        "capacity_bytes": _int(), "used_bytes": _int(), "pages": _int(), "referenced_pages": _int(),
+        "pinned_pages": _int(), "allocated_pages": _int(),
+        "high_watermark": {"type": "number"}, "low_watermark": {"type": "number"},
+        "hits": _int(), "misses": _int(), "evictions": _int(), "promotions": _int(),
+        "hit_rate": {"type": ["number", "null"], "minimum": 0, "maximum": 1,
+                     "description": "hits / (hits + misses); null before the first lookup"}},
+        required=["capacity_bytes", "used_bytes", "pages", "referenced_pages", "pinned_pages", "high_watermark",
+                  "low_watermark", "hits", "misses", "evictions", "promotions", "hit_rate"],
+        additionalProperties=True),
+    "EngineStats": _obj({"waiting": _int(), "running": _int(), "preemptions": _int(), "computed_tokens": _int()},
+                        additionalProperties=True),   # the engine's stats() may grow
+    "Stats": _obj({
+        "page_bytes": _int(1), "spec": {"type": "string"},
+        "tiers": _obj({t: _ref("TierStats") for t in TIERS}),
+        "bytes_moved": {"type": "object", "additionalProperties": _int(),
+                        "description": "bytes copied between tiers, by direction (e.g. hot_to_warm)"},
+        "entries": _int(), "corrupt_pages": _int(), "mismatched_pages": _int(),
+        "eviction_policy": {"type": "string"}, "write_policy": {"type": "string"},
+        "queue_depth": {**_int(), "description": "requests waiting in the engine (0 without an engine)"},
+        "running": {**_int(), "description": "requests the engine is running (0 without an engine)"},
+        "engine": {"oneOf": [_ref("EngineStats"), {"type": "null"}]},
+        "uptime_s": {"type": "number", "minimum": 0}},
+        additionalProperties=True),  # the store's stats may grow
+    "Page": _obj({
+        "key": _KEY, "parent": _KEY, "namespace": _KEY,
+        "depth": {**_int(), "description": "the page's index in its sequence"},
+        "tokens": {**_int(1), "description": "tokens in the page (the page size)"},
+        "tier": {"enum": TIERS, "description": "the fastest tier holding it"},
+        "tiers": {"type": "array", "items": {"enum": TIERS}, "uniqueItems": True},
+        "refcount": _int(), "pinned": {"type": "boolean"},
+        "pin_remaining_s": {"type": ["number", "null"], "minimum": 0},
+        "hits": _int(), "last_access": {**_int(), "description": "index tick of the last use"},
+        "children": _int()}),
+    "PageList": _obj({"pages": {"type": "array", "items": _ref("Page")},
+                      "next_cursor": {"type": ["string", "null"], "pattern": HEX_KEY},
+                      "total": {**_int(), "description": "pages matching the filters"}}),
+    "Prefix": _obj({
+        "key": {**_KEY, "description": "the key of the prefix's last page"}, "namespace": _KEY,
+        "pages": _int(1), "tokens": _int(1), "hits": _int(1),
+        "complete": {"type": "boolean", "description": "every page back to the first is cached"},
+        "tiers": {**_TIER_COUNTS, "description": "pages by the fastest tier holding them"},
+        "last_access": _int()}),
+    "PrefixList": _obj({"prefixes": {"type": "array", "items": _ref("Prefix")}, "page_size": _int(1)}),
+    "LookupResult": _obj({
+        "prompt_tokens": _int(), "cached_prefix_tokens": _int(), "cached_pages": _int(),
+        "tiers": {**_TIER_COUNTS, "description": "cached tokens by the fastest tier holding them"},
+        "peers": {"type": "array", "description": "live instances holding a prefix of the prompt",
+                  "items": _obj({"instance": {"type": "string"}, "tokens": _int(1),
+                                 "tier": {"enum": TIERS, "description": "its best tier for them"}})}}),
+    "Peers": _obj({"state": {"enum": ["connected", "disconnected", "disabled"]},
+                   "instance": {"type": ["string", "null"], "description": "this instance's id"},
+                   "peers": {"type": "array", "items": _obj({"instance": {"type": "string"},
+                                                             "url": {"type": "string"},
+                                                             "expires": {"type": "number"}})}}),
+    "ForgetResult": _obj({"instance": {"type": "string"}, "removed": _int()}),
+    "PinResult": _obj({"requested": _int(), "pinned": _int()}),
+    "UnpinResult": _obj({"requested": _int(), "unpinned": _int()}),
+    "EvictResult": _obj({"requested": _int(), "moved": {**_int(), "description": "page copies removed from tiers"},
+                         "to": {"enum": ["warm", "cold", None]}}),
+    "FlushResult": _obj({"tier": {"enum": TIERS}, "moved": _int()}),
+}
+
+REQUESTS = {
+    "LookupRequest": _obj({"tokens": _TOKENS, "text": {"type": "string", "description": "needs an engine"},
+                           "tenant": _TENANT}, required=[],
+                          oneOf=[{"required": ["tokens"]}, {"required": ["text"]}]),
+    "PinRequest": _target([], ttl_s=_TTL),
+    "UnpinRequest": _target([]),
+    "EvictRequest": _target(["to"], to={"enum": ["warm", "cold", None],
+                                        "description": "warm: out of hot; cold: out of hot and warm; "
+                                                       "null: out of the store"}),
+    "FlushRequest": _obj({"tier": {"enum": TIERS}}),
+    "ForgetRequest": _obj({"instance": {"type": "string", "minLength": 1}}),
+    "PeerPagesRequest": _obj({"namespace": _KEY, "keys": {"type": "array", "items": _KEY, "minItems": 1}}),
+}
+
+
+def _json(schema: dict | str, description: str = "OK") -> dict:
+    return {"description": description,
+            "content": {"application/json": {"schema": _ref(schema) if isinstance(schema, str) else schema}}}
+
+
+def _errors(*codes: int) -> dict:
+    what = {400: "bad input", 401: "missing or wrong bearer token", 404: "not found",
+            409: "the store refused the operation", 413: "the body is over admin.max_body_bytes"}
+    return {str(c): _json("Error", what[c]) for c in codes}
+
+
+def _query(name: str, schema: dict, description: str) -> dict:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+_LIMIT = {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT}
+_AUTH = [{"bearer": []}]
+_OPEN: list = []
+
+
+def _get(summary: str, ok: dict, *codes: int, params: list | None = None, security: list | None = None) -> dict:
+    op = {"summary": summary, "responses": {"200": ok, **_errors(*codes)}}
+    if params:
+        op["parameters"] = params
+    if security is not None:
+        op["security"] = security
+    return {"get": op}
+
+
+def _post(summary: str, request: str, result: str, *codes: int) -> dict:
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True,
+                                     "content": {"application/json": {"schema": _ref(request)}}},
+                     "responses": {"200": _json(result), **_errors(400, 401, 413, *codes)}}}
+
+
+PATHS = {
+    "/healthz": _get("liveness: 200 while the process serves", _json("Health"), security=_OPEN),
+    "/readyz": {"get": {"summary": "readiness: the cold tier indexed and the engine warmed up", "security": _OPEN,
+                        "responses": {"200": _json("Ready"), "503": _json("Ready", "not ready")}}},
+    "/": _get("the dashboard (HTML; asks for the token and sends it on its data requests)",
+              {"description": "OK", "content": {"text/html": {"schema": {"type": "string"}}}}, security=_OPEN),
+    "/v1/stats": _get("per tier: capacity, use, hits, misses, evictions, promotions; bytes moved; queue",
+                      _json("Stats"), 401),
+    "/v1/pages": _get("cached pages, by key order, filtered and paginated", _json("PageList"), 400, 401, params=[
+        _query("tier", {"enum": TIERS}, "only pages in this tier"),
+        _query("namespace", {"type": "string", "pattern": HEX_KEY}, "only pages of this namespace digest"),
+        _query("pinned", {"type": "boolean"}, "only pinned (true) or unpinned (false) pages"),
+        _query("limit", _LIMIT, "pages per answer (default 100)"),
+        _query("cursor", {"type": "string", "pattern": HEX_KEY}, "next_cursor of the previous answer")]),
+    "/v1/pages/{key}": {"get": {
+        "summary": "one page", "parameters": [{"name": "key", "in": "path", "required": True, "schema": _KEY}],
+        "responses": {"200": _json("Page"), **_errors(400, 401, 404)}}},
+    "/v1/prefixes": _get("the most reused prefixes: chains of pages ranked by hits", _json("PrefixList"), 400, 401,
+                         params=[_query("limit", _LIMIT, "prefixes to list (default 20)")]),
+    "/v1/lookup": _post("how much of a prompt is cached, and where", "LookupRequest", "LookupResult"),
+    "/v1/pin": _post("keep pages (or a prefix) where they are until unpinned or ttl_s passes", "PinRequest",
+                     "PinResult"),
+    "/v1/unpin": _post("unpin pages (or a prefix)", "UnpinRequest", "UnpinResult"),
+    "/v1/evict": _post("move pages (or a prefix) down a tier, or out of the store", "EvictRequest",
+                       "EvictResult", 409),
+    "/v1/flush": _post("move every page that may leave a tier one tier down", "FlushRequest", "FlushResult", 409),
+    "/v1/peers": _get("the cluster index: its state, this instance and the live peers", _json("Peers"), 401),
+    "/v1/peers/forget": _post("remove every index entry of one instance (a dead one)", "ForgetRequest",
+                              "ForgetResult", 409),
+    "/v1/peer/pages": {"post": {
+        "summary": "a prefix chain's page records, streamed, for peers holding cluster.token",
+        "security": [{"cluster": []}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("PeerPagesRequest")}}},
+        "responses": {"200": {"description": "frames: 4-byte big-endian length + one page record",
+                              "content": {"application/x-kvstore-pages": {"schema": {"type": "string"}}}},
+                      **_errors(400, 401), "403": _json("Error", "peer fetch is disabled (no cluster.token)")}}},
+    "/v1/config": _get("the effective config, secrets redacted", _json({"type": "object"}), 401),
+    "/metrics": _get("Prometheus metrics (text format)",
+                     {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}, 401),
+    "/openapi.json": _get("this document", _json({"type": "object"}), 401),
+}
+
+DOCUMENT = {
+    "openapi": "3.1.0",
+    "info": {"title": "kvstore admin API", "version": __version__,
+             "description": "Inspect and steer a kvstore's tiered KV cache. Errors are JSON {\"error\": \"...\"}. "
+                            "When admin.token is set, every path except /healthz, /readyz and / needs "
+                            "`Authorization: Bearer <token>`."},
+    "paths": PATHS,
+    "components": {"schemas": {**SCHEMAS, **REQUESTS},
+                   "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                       "cluster": {"type": "http", "scheme": "bearer",
+                                                   "description": "cluster.token, shared by the instances"}}},
+    "security": _AUTH,
+}
+
+
+def document() -> dict:
+    """A copy of the OpenAPI document."""
+    return copy.deepcopy(DOCUMENT)

@@ -1,0 +1,163 @@
+"""The dashboard in headless Chromium: it loads with a token, shows the numbers of /v1/stats and
+/v1/prefixes, asks for the token when it has none, and renders a non-blank screenshot."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import struct
+import zlib
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from test_admin import TOKEN, running_admin
+
+CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (scripts/bootstrap installs it)")
+
+
+async def chromium(tmp_path: Path, url: str, *args: str) -> str:
+    """Run headless Chromium on `url` with a fresh profile until the page has refreshed (virtual time)."""
+    profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
+    proc = await asyncio.create_subprocess_exec(
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        f"--user-data-dir={profile}", "--virtual-time-budget=5000", "--window-size=1280,900", "--hide-scrollbars",
+        *args, url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "HOME": str(tmp_path)})
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 90)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+    return out.decode()
+
+
+class Elements(HTMLParser):
+    """id -> (attributes, text) of every element with an id, and the rows of the prefixes table."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.by_id: dict[str, tuple[dict, str]] = {}
+        self.rows: list[dict] = []
+        self._open: list[str | None] = []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "tr" and "data-key" in attrs:
+            self.rows.append(attrs)
+        if tag in ("input", "meta", "br", "img", "link"):
+            return
+        self._open.append(attrs.get("id"))
+        if attrs.get("id"):
+            self.by_id[attrs["id"]] = (attrs, "")
+
+    def handle_endtag(self, tag):
+        if tag not in ("input", "meta", "br", "img", "link") and self._open:
+            self._open.pop()
+
+    def handle_data(self, data):
+        for open_id in self._open:
+            if open_id:
+                attrs, text = self.by_id[open_id]
+                self.by_id[open_id] = (attrs, text + data)
+
+    def value(self, id: str) -> str:
+        return self.by_id[id][0]["data-value"]
+
+    def text(self, id: str) -> str:
+        return self.by_id[id][1].strip()
+
+
+async def test_dashboard_shows_the_stats(tmp_path):
+    async with running_admin(tmp_path, token=TOKEN) as admin:
+        html = await chromium(tmp_path, f"{admin.url}/#token={TOKEN}", "--dump-dom")
+        _, stats = await admin.get("/v1/stats")
+        _, prefixes = await admin.get("/v1/prefixes?limit=20")
+    page = Elements(html)
+    status = page.by_id["status"][0]
+    assert status["data-state"] == "ok" and int(status["data-refreshes"]) >= 2, page.text("status")
+    for tier in ("hot", "warm", "cold"):
+        t = stats["tiers"][tier]
+        assert int(page.value(f"{tier}-used-bytes")) == t["used_bytes"]
+        assert int(page.value(f"{tier}-capacity-bytes")) == t["capacity_bytes"]
+        assert int(page.value(f"{tier}-pages")) == t["pages"] and page.text(f"{tier}-pages") == str(t["pages"])
+        assert float(page.value(f"{tier}-occupancy")) == pytest.approx(t["used_bytes"] / t["capacity_bytes"])
+        shown = page.value(f"{tier}-hit-rate")
+        assert (shown == "") if t["hit_rate"] is None else float(shown) == pytest.approx(t["hit_rate"])
+        hits_misses = page.by_id[f"{tier}-hits-misses"][0]
+        assert (int(hits_misses["data-hits"]), int(hits_misses["data-misses"])) == (t["hits"], t["misses"])
+        assert int(page.value(f"{tier}-evictions")) == t["evictions"]
+    assert page.text("hot-used-bytes") == "32.00 KiB" and page.text("hot-occupancy") == "50.0 %"
+    assert page.text("hot-hit-rate") == "100.0 %" and page.text("warm-hit-rate") == "–"
+    assert int(page.value("entries")) == stats["entries"] == 7
+    assert int(page.value("queue-depth")) == stats["queue_depth"]
+    assert int(page.value("bytes-moved")) == sum(stats["bytes_moved"].values())
+    assert [r["data-key"] for r in page.rows] == [p["key"] for p in prefixes["prefixes"]] != []
+    assert int(page.rows[0]["data-hits"]) == prefixes["prefixes"][0]["hits"]
+    assert page.by_id["prefixes"][0]["data-count"] == str(len(prefixes["prefixes"]))
+    assert TOKEN not in html   # the token left the address (kept in localStorage only)
+
+
+async def test_dashboard_asks_for_the_token(tmp_path):
+    async with running_admin(tmp_path, token=TOKEN) as admin:
+        page = Elements(await chromium(tmp_path, f"{admin.url}/", "--dump-dom"))
+        assert page.by_id["status"][0]["data-state"] == "auth" and "token" in page.text("status")
+        assert "data-value" not in page.by_id["hot-pages"][0] and page.text("hot-pages") == ""   # nothing shown
+        page = Elements(await chromium(tmp_path, f"{admin.url}/#token=wrong", "--dump-dom"))
+        assert page.by_id["status"][0]["data-state"] == "auth"
+
+
+def png_pixels(data: bytes) -> tuple[int, int, list[bytes]]:
+    """(width, height, rows of RGB(A) bytes) of an 8-bit, non-interlaced PNG."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        chunk = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", chunk)
+        elif kind == b"IDAT":
+            idat += chunk
+        pos += 12 + length
+    width, height, depth, color, _, _, interlace = header
+    assert depth == 8 and color in (2, 6) and interlace == 0, header
+    bpp = 3 if color == 2 else 4
+    raw, stride, rows, prev = zlib.decompress(idat), width * bpp, [], bytearray(width * bpp)
+    for y in range(height):
+        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+            if kind == 1:
+                line[i] = (line[i] + a) & 255
+            elif kind == 2:
+                line[i] = (line[i] + b) & 255
+            elif kind == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif kind == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    return width, height, rows
+
+
+async def test_dashboard_screenshot(tmp_path):
+    shot = tmp_path / "dashboard.png"
+    async with running_admin(tmp_path, token=TOKEN) as admin:
+        await chromium(tmp_path, f"{admin.url}/#token={TOKEN}", f"--screenshot={shot}")
+    width, height, rows = png_pixels(shot.read_bytes())
+    assert (width, height) == (1280, 900)
+    bpp = len(rows[0]) // width
+    colours = {row[x:x + 3] for row in rows[::4] for x in range(0, len(row), bpp * 4)}
+    assert len(colours) > 20   # text, bars and cards, not a blank page
+    hot_bar = bytes((0xd9, 0x48, 0x0f))
+    assert hot_bar in colours   # the hot tier's occupancy bar is drawn

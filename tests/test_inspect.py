@@ -1,0 +1,169 @@
+"""`kvstore inspect`: the admin API's client, against a live admin server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, clean_env
+from kvstore import inspect
+from kvstore.keys import page_keys
+from storeutil import SPEC, tokens_for
+
+sys.path.insert(0, str(REPO / "tests" / "server"))
+from test_admin import TOKEN, running_admin  # noqa: E402
+
+PS = SPEC.page_size
+
+
+@pytest.fixture
+async def admin(tmp_path):
+    async with running_admin(tmp_path, token=TOKEN) as a:
+        yield a
+
+
+async def cli(capsys, admin, *args: str, token: str | None = TOKEN) -> tuple[int, str, str]:
+    """Run `kvstore inspect --url URL [--token T] ARGS` in a thread (the server runs on this loop)."""
+    capsys.readouterr()
+    argv = ["--url", admin.url, *(["--token", token] if token else []), *args]
+    code = await asyncio.to_thread(inspect.main, argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if line.strip()]
+
+
+async def test_stats(admin, capsys):
+    code, out, err = await cli(capsys, admin, "stats")
+    assert code == 0 and err == ""
+    table = rows(out)
+    assert table[0][:4] == ["TIER", "USED", "CAPACITY", "USE"]
+    hot = next(r for r in table if r[0] == "hot")
+    assert hot[1:3] == ["32.00", "KiB"] and hot[5:7] == ["50.0%", "4"]
+    assert "7 pages indexed" in out and "queue: 0 waiting, 0 running" in out
+    code, out, _ = await cli(capsys, admin, "--json", "stats")
+    got = json.loads(out)
+    _, direct = await admin.get("/v1/stats")
+    got.pop("uptime_s"), direct.pop("uptime_s")
+    assert code == 0 and got == direct
+
+
+async def test_pages(admin, capsys):
+    code, out, _ = await cli(capsys, admin, "pages", "--tier", "hot")
+    assert code == 0
+    table = rows(out)
+    assert table[0] == ["KEY", "TIERS", "DEPTH", "REFS", "PINNED", "HITS", "NAMESPACE"]
+    assert len(table) == 1 + 4 + 1 and all(r[1] == "hot" for r in table[1:5]) and "4 of 4 pages" in out
+    code, out, _ = await cli(capsys, admin, "pages", "--limit", "2")
+    assert "2 of 7 pages; more with --cursor" in out
+    cursor = out.split("--cursor ")[1].strip()
+    code, out, _ = await cli(capsys, admin, "pages", "--limit", "2", "--cursor", cursor)
+    assert code == 0 and "2 of 7 pages" in out
+    code, out, _ = await cli(capsys, admin, "--json", "pages", "--limit", "2", "--all")
+    got = json.loads(out)
+    assert len(got["pages"]) == 7 and got["next_cursor"] is None
+    assert {p["key"] for p in got["pages"]} == {k.hex() for k in admin.store.index.entries}
+    code, out, _ = await cli(capsys, admin, "pages", "--pinned")
+    assert "0 of 0 pages" in out
+
+
+async def test_page(admin, capsys):
+    key = page_keys(admin.store.namespace(), tokens_for(1, 4), PS)[0].hex()
+    code, out, _ = await cli(capsys, admin, "page", key)
+    assert code == 0 and f"key        {key}" in out and "tiers      hot" in out
+    code, out, err = await cli(capsys, admin, "page", "ab" * 32)
+    assert code == 1 and out == "" and err.strip() == "kvstore inspect: no page with this key (HTTP 404)"
+    code, out, err = await cli(capsys, admin, "page", "not-a-key")
+    assert code == 2 and err.strip() == "kvstore: error: key must be 64 hex digits (HTTP 400)"
+
+
+async def test_prefixes(admin, capsys):
+    code, out, _ = await cli(capsys, admin, "prefixes")
+    table = rows(out)
+    assert code == 0 and table[0][:4] == ["LAST", "PAGE", "TOKENS", "PAGES"]
+    assert table[1][1:] == [str(4 * PS), "4", "1", "4", "0", "0", "yes"]
+    code, out, _ = await cli(capsys, admin, "--json", "prefixes", "--limit", "1")
+    assert len(json.loads(out)["prefixes"]) == 1
+
+
+async def test_lookup(admin, capsys):
+    ids = ",".join(map(str, tokens_for(1, 4) + [3] * 10))
+    code, out, _ = await cli(capsys, admin, "lookup", "--tokens", ids)
+    assert code == 0
+    assert out.strip() == f"prompt {4 * PS + 10} tokens; cached prefix {4 * PS} tokens (86.5%): hot 64, warm 0, cold 0"
+    code, out, _ = await cli(capsys, admin, "--json", "lookup", "--tokens", ids, "--tenant", "other")
+    assert json.loads(out)["cached_prefix_tokens"] == 0
+    code, _, err = await cli(capsys, admin, "lookup", "--text", "hello")
+    assert code == 2 and "text lookup needs a model" in err and len(err.splitlines()) == 1
+    code, _, err = await cli(capsys, admin, "lookup", "--tokens", "1,x")
+    assert code == 2 and "--tokens" in err
+
+
+async def test_pin_unpin_evict_flush(admin, capsys, tmp_path):
+    keys = [k.hex() for k in page_keys(admin.store.namespace(), tokens_for(1, 4), PS)]
+    code, out, _ = await cli(capsys, admin, "pin", keys[0], keys[1], "--ttl", "60")
+    assert code == 0 and out.strip() == "pinned 2 of 2 pages"
+    assert (await admin.get("/v1/pages?pinned=true"))[1]["total"] == 2
+    code, out, _ = await cli(capsys, admin, "pin", "--tokens", ",".join(map(str, tokens_for(1, 4))))
+    assert out.strip() == "pinned 4 of 4 pages"
+    code, out, _ = await cli(capsys, admin, "unpin", *keys)
+    assert out.strip() == "unpinned 4 of 4 pages"
+    ids = tmp_path / "prompt.json"
+    ids.write_text(json.dumps(tokens_for(1, 4)))
+    code, out, _ = await cli(capsys, admin, "evict", "--tokens", f"@{ids}", "--to", "warm")
+    assert code == 0 and out.strip() == "moved 4 page copies down to warm (4 pages named)"
+    assert (await admin.get("/v1/stats"))[1]["tiers"]["hot"]["pages"] == 0
+    code, out, _ = await cli(capsys, admin, "--json", "flush", "warm")
+    assert json.loads(out) == {"tier": "warm", "moved": 5}
+    code, out, _ = await cli(capsys, admin, "evict", keys[3], "--to", "out")
+    assert out.strip() == "moved 1 page copies out of the store (1 pages named)"
+    assert (await admin.get(f"/v1/pages/{keys[3]}"))[0] == 404
+    code, _, err = await cli(capsys, admin, "pin")
+    assert code == 2 and "KEYs or --tokens" in err
+
+
+async def test_errors_are_one_line(admin, capsys):
+    code, out, err = await cli(capsys, admin, "stats", token="wrong")
+    assert code == 2 and out == "" and err.strip().startswith("kvstore: error: missing or wrong bearer token")
+    assert err.strip().endswith("(HTTP 401)") and len(err.splitlines()) == 1
+    code, _, err = await cli(capsys, admin, "stats", token=None)
+    assert code == 2 and "(HTTP 401)" in err
+    with socket.socket() as s:   # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    capsys.readouterr()
+    code = await asyncio.to_thread(inspect.main, ["--url", f"http://127.0.0.1:{port}", "stats"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith(f"kvstore: error: cannot reach the admin API at http://127.0.0.1:{port}: ")
+
+
+async def test_url_and_token_from_the_config(admin, capsys, monkeypatch):
+    monkeypatch.setenv("KVSTORE_ADMIN_TOKEN", TOKEN)
+    port = admin.runner.addresses[0][1]
+    capsys.readouterr()
+    code = await asyncio.to_thread(inspect.main, ["--set", f"admin.port={port}", "--json", "stats"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["entries"] == 7
+
+
+async def test_as_a_process(admin):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvstore.inspect", "--url", admin.url, "prefixes", stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env=clean_env(KVSTORE_ADMIN_TOKEN=TOKEN), cwd=REPO)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().startswith("LAST PAGE")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvstore.inspect", "--url", admin.url, "prefixes", stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env=clean_env(), cwd=REPO)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2 and b"HTTP 401" in err
