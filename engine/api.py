@@ -264,8 +264,11 @@ def _usage(outs: list[RequestOutput], n: int) -> dict:
     firsts = outs[::n]          # one per prompt
     prompt = sum(len(o.prompt_token_ids) for o in firsts)
     completion = sum(len(o.token_ids) for o in outs)
+    by_tier = {t: sum(o.cached_tokens.get(t, 0) for o in firsts) for t in ("hot", "warm", "cold", "peer")}
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(sum(o.cached_tokens.values()) for o in firsts)}}
+            "prompt_tokens_details": {"cached_tokens": sum(by_tier.values())},
+            # extension: where the cached prompt tokens came from, and how many were computed
+            "kvstore": {"cached_tokens": by_tier, "prefill_tokens": sum(o.prefill_tokens for o in firsts)}}
 
 
 class Choice:

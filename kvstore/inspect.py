@@ -23,6 +23,7 @@ import json
 import re
 import ssl
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -235,6 +236,14 @@ def _run(client: AdminClient, args: argparse.Namespace) -> tuple[str, dict]:
     if action == "flush":
         got = client.post("/v1/flush", {"tier": args.tier})
         return f"moved {got['moved']} pages out of {got['tier']}", got
+    if action == "peers":
+        got = client.get("/v1/peers")
+        rows = [[p["instance"], p["url"], f"{p['expires'] - time.time():.1f}s"] for p in got["peers"]]
+        head = f"cluster index: {got['state']}" + (f", this instance {got['instance']}" if got["instance"] else "")
+        return head + ("\n" + table(rows, ["INSTANCE", "URL", "EXPIRES IN"]) if rows else "\nno live peer"), got
+    if action == "forget":
+        got = client.post("/v1/peers/forget", {"instance": args.instance})
+        return f"removed {got['removed']} index entries of {got['instance']}", got
     raise KVStoreError(f"inspect: unknown action {action!r}")
 
 
@@ -284,6 +293,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                            help="warm: out of hot; cold: out of hot and warm; out: out of the store")
     a = actions.add_parser("flush", help="move every page that may leave a tier one tier down")
     a.add_argument("tier", choices=TIERS)
+    actions.add_parser("peers", help="the cross-instance index: its state and the live instances")
+    a = actions.add_parser("forget", help="remove every index entry of one (dead) instance")
+    a.add_argument("instance", help="the instance id, as `peers` lists it")
     p.set_defaults(func=run)
     return p
 

@@ -259,7 +259,10 @@ async def readyz(request: web.Request) -> web.Response:
               "engine": bool(getattr(state.engine, "ready", True)),
               "accepting": not state.draining}
     ready = all(checks.values())
-    return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
+    cluster = request.app.get(CLUSTER)
+    return web.json_response({"ready": ready, "checks": checks,
+                              "cluster": cluster.index.state if cluster else "disabled"},
+                             status=200 if ready else 503)
 
 
 async def stats(request: web.Request) -> web.Response:
@@ -272,6 +275,9 @@ async def stats(request: web.Request) -> web.Response:
     out.update(engine=engine, queue_depth=engine["waiting"] if engine else 0,
                running=engine["running"] if engine else 0,
                uptime_s=round(time.monotonic() - state.started, 3))
+    cluster = request.app.get(CLUSTER)
+    if cluster is not None:
+        out["cluster"] = cluster.stats()
     return web.json_response(out)
 
 

@@ -36,6 +36,7 @@ class StoreCollector(Collector):
 
     def __init__(self, store, engine: Any = None):
         self.store, self.engine = store, engine
+        self.cluster = None   # a ClusterNode, when the instance is part of one
 
     def describe(self) -> Iterable[Metric]:
         return []   # nothing to describe up front: registering must not read the store
@@ -77,6 +78,18 @@ class StoreCollector(Collector):
                                 value=queue.get("waiting", 0))
         yield GaugeMetricFamily("kvstore_running_requests", "Requests the engine is running",
                                 value=queue.get("running", 0))
+        if self.cluster is not None:
+            c = self.cluster.stats()
+            yield GaugeMetricFamily("kvstore_cluster_connected", "1 while the Redis prefix index is reachable",
+                                    value=1 if c["state"] == "connected" else 0)
+            yield CounterMetricFamily("kvstore_cluster_errors", "Redis index failures (outages, timeouts)",
+                                      value=c["errors"])
+            yield CounterMetricFamily("kvstore_cluster_published_pages", "Page residencies published to the index",
+                                      value=c["published"])
+            yield CounterMetricFamily("kvstore_peer_fetched_pages", "Pages fetched from peer instances",
+                                      value=c["fetch"]["fetched_pages"])
+            yield CounterMetricFamily("kvstore_peer_fetch_failures", "Peer fetches that failed",
+                                      value=c["fetch"]["failed"])
 
 
 class Metrics:
@@ -88,7 +101,8 @@ class Metrics:
 
     def __init__(self, store, engine: Any = None):
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(StoreCollector(store, engine))
+        self.collector = StoreCollector(store, engine)
+        self.registry.register(self.collector)
         self.prefetch_seconds = Histogram("kvstore_prefetch_seconds", "Time to bring a prefix up a tier",
                                           buckets=PREFETCH_BUCKETS, registry=self.registry)
         self.request_latency = Histogram("kvstore_request_latency_seconds", "Request time, arrival to last token",

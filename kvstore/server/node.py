@@ -49,6 +49,7 @@ async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> Non
         if config.cluster.redis_url:
             node = ClusterNode(config, store, daemon, admin_url(runners[0]), lambda: llm.runner.tokens_per_s)
             admin[CLUSTER] = node
+            metrics.collector.cluster = node
             engine.prefetch = node.prefetch
             await node.start()
         await engine.start()

@@ -58,7 +58,10 @@ SCHEMAS = {
     "Ready": _obj({"ready": {"type": "boolean"},
                    "checks": _obj({"store": {"type": "boolean", "description": "the cold tier is indexed"},
                                    "engine": {"type": "boolean", "description": "the engine's warm-up is done"},
-                                   "accepting": {"type": "boolean", "description": "not draining"}})}),
+                                   "accepting": {"type": "boolean", "description": "not draining"}}),
+                   "cluster": {"enum": ["connected", "disconnected", "disabled"],
+                               "description": "the cross-instance index (disconnected: local-only mode, "
+                                              "still ready)"}}),
     "TierStats": _obj({
         "capacity_bytes": _int(), "used_bytes": _int(), "pages": _int(), "referenced_pages": _int(),
         "pinned_pages": _int(), "allocated_pages": _int(),
