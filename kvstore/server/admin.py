@@ -19,17 +19,14 @@ The request and response shapes are in openapi.py, served at /openapi.json.
 from __future__ import annotations
 
 import hmac
-import heapq
 import ipaddress
-import json
 import logging
-import re
 import ssl
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
@@ -37,8 +34,10 @@ from aiohttp.abc import AbstractAccessLogger
 from kvstore.cluster.node import CLUSTER, add_cluster_routes
 from kvstore.config import Config
 from kvstore.errors import KVStoreError
-from kvstore.index import PageEntry
 from kvstore.server import openapi
+from kvstore.server import validate as check
+from kvstore.server.validate import AdminError
+from kvstore.server.views import get_page, list_pages, top_prefixes
 from kvstore.server.metrics import CONTENT_TYPE, TIERS, Metrics, engine_stats
 
 log = logging.getLogger("kvstore.admin")
@@ -46,7 +45,6 @@ log = logging.getLogger("kvstore.admin")
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/",
                         "/v1/peer/pages"})   # peers authenticate with cluster.token instead
 DASHBOARD = Path(__file__).with_name("dashboard.html")
-HEX_KEY = re.compile(openapi.HEX_KEY.strip("^$"))
 DEFAULT_PAGES_LIMIT = 100
 DEFAULT_PREFIXES_LIMIT = 20
 
@@ -64,188 +62,6 @@ class AdminState:
 
 
 STATE = web.AppKey("admin_state", AdminState)
-
-
-class AdminError(Exception):
-    """An error answered as {"error": message} with this status."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-def _fail(message: str, status: int = 400) -> NoReturn:
-    raise AdminError(status, message)
-
-
-def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
-    return web.json_response({"error": " ".join(message.split())}, status=status, headers=headers)
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-# input
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not JSON")
-
-
-async def _body(request: web.Request, allowed: tuple[str, ...]) -> dict:
-    """The request's JSON object, with no field outside `allowed`."""
-    raw = await request.read()          # over client_max_size: HTTPRequestEntityTooLarge -> 413
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
-        _fail("the request body is not valid JSON (a JSON object is expected)")
-    if not isinstance(body, dict):
-        _fail("the request body must be a JSON object")
-    unknown = [k for k in body if k not in allowed]
-    if unknown:
-        _fail(f"unknown field {_short(unknown[0])}; allowed: {', '.join(allowed)}")
-    return body
-
-
-def _text(value: Any, name: str, max_chars: int | None = None) -> str:
-    if not isinstance(value, str):
-        _fail(f"{name} must be a string")
-    if max_chars is not None and len(value) > max_chars:
-        _fail(f"{name} is longer than {max_chars} characters")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        _fail(f"{name} is not valid Unicode (a lone surrogate)")
-    return value
-
-
-def _integral(value: Any) -> int | None:
-    """An integer, or a float with no fraction (JSON Schema's integer), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _tokens(value: Any) -> list[int]:
-    if not isinstance(value, list):
-        _fail("tokens must be a list of token ids")
-    ids = [_integral(t) for t in value]
-    if not all(t is not None and 0 <= t <= openapi.MAX_TOKEN_ID for t in ids):
-        _fail(f"tokens must be integers in [0, {openapi.MAX_TOKEN_ID}]")
-    return ids
-
-
-def _key(value: Any, name: str = "key") -> bytes:
-    if not isinstance(value, str) or not HEX_KEY.fullmatch(value):
-        _fail(f"{name} must be 64 hex digits")
-    return bytes.fromhex(value)
-
-
-def _tenant(body: dict) -> str:
-    return _text(body.get("tenant", ""), "tenant", openapi.MAX_TENANT_CHARS)
-
-
-def _keys_or_tokens(body: dict) -> tuple[list[bytes] | None, list[int] | None]:
-    """Exactly one of `keys` (page keys) and `tokens` (a prefix)."""
-    if ("keys" in body) == ("tokens" in body):
-        _fail("give exactly one of keys (page keys, hex) and tokens (a prefix)")
-    if "keys" in body:
-        if not isinstance(body["keys"], list):
-            _fail("keys must be a list of page keys (64 hex digits each)")
-        return [_key(k, "each of keys") for k in body["keys"]], None
-    return None, _tokens(body["tokens"])
-
-
-def _query(request: web.Request, allowed: tuple[str, ...]) -> dict[str, str]:
-    out = {}
-    for name in request.query:
-        if name not in allowed:
-            _fail(f"unknown query parameter {_short(name)}; allowed: {', '.join(allowed)}")
-        values = request.query.getall(name)
-        if len(values) > 1:
-            _fail(f"query parameter {name} is given {len(values)} times")
-        out[name] = values[0]
-    return out
-
-
-def _limit(query: dict[str, str], default: int) -> int:
-    raw = query.get("limit")
-    if raw is None:
-        return default
-    if not re.fullmatch(r"[0-9]{1,7}", raw) or not 1 <= int(raw) <= openapi.MAX_LIMIT:
-        _fail(f"limit must be an integer in [1, {openapi.MAX_LIMIT}]")
-    return int(raw)
-
-
-# views of the index, built in a worker thread under the store's lock (the index is the store's)
-def _page_json(e: PageEntry, now: float, page_size: int) -> dict:
-    pinned = e.pinned(now)
-    return {"key": e.key.hex(), "parent": e.parent.hex(), "namespace": e.namespace.hex(), "depth": e.depth,
-            "tokens": page_size, "tier": e.tier,
-            "tiers": [t for t, here in zip(TIERS, (e.hot is not None, e.warm is not None, e.cold)) if here],
-            "refcount": e.refcount, "pinned": pinned,
-            "pin_remaining_s": round(e.pin_until - now, 3) if pinned else None,
-            "hits": e.hits, "last_access": e.last_access, "children": len(e.kids)}
-
-
-def list_pages(store, tier: str | None, namespace: bytes | None, pinned: bool | None, limit: int,
-               cursor: bytes | None) -> dict:
-    """Pages matching the filters, in key order, `limit` after `cursor`: O(entries log limit)."""
-    with store._lock:
-        now = store.index.now()
-        entries = store.index.in_tier(tier) if tier else store.index.entries.values()
-        matching = [e for e in entries if (namespace is None or e.namespace == namespace)
-                    and (pinned is None or e.pinned(now) == pinned)]
-        after = matching if cursor is None else [e for e in matching if e.key > cursor]
-        chosen = heapq.nsmallest(limit + 1, after, key=lambda e: e.key)
-        pages = [_page_json(e, now, store.spec.page_size) for e in chosen[:limit]]
-    return {"pages": pages, "next_cursor": pages[-1]["key"] if len(chosen) > limit else None,
-            "total": len(matching)}
-
-
-def get_page(store, key: bytes) -> dict | None:
-    with store._lock:
-        e = store.index.get(key)
-        return None if e is None else _page_json(e, store.index.now(), store.spec.page_size)
-
-
-def top_prefixes(store, limit: int) -> dict:
-    """The most reused prefixes: for each leaf-most page with hits (no child has hits), the chain of
-    cached pages back towards the first, ranked by the leaf's hits. O(entries): each page's chain
-    summary is computed once, from its parent's."""
-    with store._lock:
-        entries = store.index.entries
-        leaves = [e for e in entries.values()
-                  if e.hits and not any(entries[k].hits for k in e.kids if k in entries)]
-        top = heapq.nlargest(limit, leaves, key=lambda e: (e.hits, e.depth, e.key))
-        chains: dict[bytes, tuple[int, dict[str, int], bool]] = {}   # key -> (pages, tiers, complete)
-
-        def chain(e: PageEntry) -> tuple[int, dict[str, int], bool]:
-            path, cur = [], e
-            while cur is not None and cur.key not in chains:
-                path.append(cur)
-                cur = entries.get(cur.parent)
-            if cur is not None:
-                pages, tiers, complete = chains[cur.key]
-            else:   # the topmost cached page: complete if it is the sequence's first
-                pages, tiers, complete = 0, dict.fromkeys(TIERS, 0), path[-1].parent == path[-1].namespace
-            for p in reversed(path):
-                tiers = {**tiers, p.tier: tiers[p.tier] + 1}
-                pages += 1
-                chains[p.key] = (pages, tiers, complete)
-            return chains[e.key]
-
-        prefixes = []
-        for e in top:
-            pages, tiers, complete = chain(e)
-            prefixes.append({"key": e.key.hex(), "namespace": e.namespace.hex(), "pages": pages,
-                             "tokens": pages * store.spec.page_size, "hits": e.hits, "complete": complete,
-                             "tiers": tiers, "last_access": e.last_access})
-    return {"prefixes": prefixes, "page_size": store.spec.page_size}
 
 
 # handlers
@@ -283,33 +99,33 @@ async def stats(request: web.Request) -> web.Response:
 
 async def pages(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    q = _query(request, ("tier", "namespace", "pinned", "limit", "cursor"))
+    q = check.query(request, ("tier", "namespace", "pinned", "limit", "cursor"))
     tier = q.get("tier")
     if tier is not None and tier not in TIERS:
-        _fail(f"tier must be one of {', '.join(TIERS)}")
+        check.fail(f"tier must be one of {', '.join(TIERS)}")
     pinned = q.get("pinned")
     if pinned is not None and pinned not in ("true", "false"):
-        _fail("pinned must be true or false")
-    namespace = _key(q["namespace"], "namespace") if "namespace" in q else None
-    cursor = _key(q["cursor"], "cursor") if "cursor" in q else None
+        check.fail("pinned must be true or false")
+    namespace = check.key(q["namespace"], "namespace") if "namespace" in q else None
+    cursor = check.key(q["cursor"], "cursor") if "cursor" in q else None
     return web.json_response(await state.daemon.run(
         list_pages, state.store, tier, namespace, None if pinned is None else pinned == "true",
-        _limit(q, DEFAULT_PAGES_LIMIT), cursor))
+        check.limit(q, DEFAULT_PAGES_LIMIT), cursor))
 
 
 async def page(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    key = _key(request.match_info["key"])
+    key = check.key(request.match_info["key"])
     found = await state.daemon.run(get_page, state.store, key)
     if found is None:
-        _fail("no page with this key", 404)
+        check.fail("no page with this key", 404)
     return web.json_response(found)
 
 
 async def prefixes(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    q = _query(request, ("limit",))
-    return web.json_response(await state.daemon.run(top_prefixes, state.store, _limit(q, DEFAULT_PREFIXES_LIMIT)))
+    q = check.query(request, ("limit",))
+    return web.json_response(await state.daemon.run(top_prefixes, state.store, check.limit(q, DEFAULT_PREFIXES_LIMIT)))
 
 
 def _namespace(state: AdminState, tenant: str):
@@ -323,17 +139,17 @@ def _tokenizer(engine: Any):
 
 async def lookup(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await _body(request, ("tokens", "text", "tenant"))
+    body = await check.body(request, ("tokens", "text", "tenant"))
     if ("tokens" in body) == ("text" in body):
-        _fail("give exactly one of tokens (token ids) and text")
-    tenant = _tenant(body)
+        check.fail("give exactly one of tokens (token ids) and text")
+    tenant = check.tenant(body)
     if "tokens" in body:
-        tokens = _tokens(body["tokens"])
+        tokens = check.tokens(body["tokens"])
     else:
-        text = _text(body["text"], "text")
+        text = check.text(body["text"], "text")
         tokenizer = _tokenizer(state.engine)
         if tokenizer is None:
-            _fail("text lookup needs a model: this server runs no engine; send tokens")
+            check.fail("text lookup needs a model: this server runs no engine; send tokens")
         tokens = list(await state.daemon.run(tokenizer.encode, text))
     ns = _namespace(state, tenant)
     match = await state.daemon.run(state.store.match, tokens, ns)
@@ -346,8 +162,8 @@ async def lookup(request: web.Request) -> web.Response:
 
 async def _target_keys(state: AdminState, body: dict) -> list[bytes]:
     """The pages a pin/unpin/evict request names: its keys, or the cached prefix of its tokens."""
-    keys, tokens = _keys_or_tokens(body)
-    tenant = _tenant(body)
+    keys, tokens = check.keys_or_tokens(body)
+    tenant = check.tenant(body)
     if keys is not None:
         return keys
     match = await state.daemon.run(state.store.match, tokens, _namespace(state, tenant))
@@ -360,11 +176,11 @@ def _requested(body: dict, page_size: int) -> int:
 
 async def pin(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await _body(request, ("keys", "tokens", "tenant", "ttl_s"))
+    body = await check.body(request, ("keys", "tokens", "tenant", "ttl_s"))
     ttl = body.get("ttl_s")
     if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
                             or not 0 < ttl <= openapi.MAX_TTL_S):   # NaN and infinity fail the range too
-        _fail(f"ttl_s must be a number of seconds in (0, {openapi.MAX_TTL_S}]")
+        check.fail(f"ttl_s must be a number of seconds in (0, {openapi.MAX_TTL_S}]")
     keys = await _target_keys(state, body)
     pinned = await state.daemon.run(state.store.pin, keys, ttl)
     return web.json_response({"requested": _requested(body, state.store.spec.page_size), "pinned": pinned})
@@ -372,7 +188,7 @@ async def pin(request: web.Request) -> web.Response:
 
 async def unpin(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await _body(request, ("keys", "tokens", "tenant"))
+    body = await check.body(request, ("keys", "tokens", "tenant"))
     keys = await _target_keys(state, body)
     unpinned = await state.daemon.run(state.store.unpin, keys)
     return web.json_response({"requested": _requested(body, state.store.spec.page_size), "unpinned": unpinned})
@@ -380,9 +196,9 @@ async def unpin(request: web.Request) -> web.Response:
 
 async def evict(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await _body(request, ("keys", "tokens", "tenant", "to"))
+    body = await check.body(request, ("keys", "tokens", "tenant", "to"))
     if "to" not in body or body["to"] not in ("warm", "cold", None):
-        _fail("to must be warm (out of hot), cold (out of hot and warm) or null (out of the store)")
+        check.fail("to must be warm (out of hot), cold (out of hot and warm) or null (out of the store)")
     keys = await _target_keys(state, body)
     moved = await state.daemon.run(state.store.evict, keys, body["to"])
     return web.json_response({"requested": _requested(body, state.store.spec.page_size), "moved": moved,
@@ -391,9 +207,9 @@ async def evict(request: web.Request) -> web.Response:
 
 async def flush(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await _body(request, ("tier",))
+    body = await check.body(request, ("tier",))
     if body.get("tier") not in TIERS:
-        _fail(f"tier must be one of {', '.join(TIERS)}")
+        check.fail(f"tier must be one of {', '.join(TIERS)}")
     moved = await state.daemon.run(state.store.flush, body["tier"])
     return web.json_response({"tier": body["tier"], "moved": moved})
 
@@ -438,25 +254,25 @@ async def guard(request: web.Request, handler) -> web.StreamResponse:
     state = request.app[STATE]
     token = state.config.admin.token
     if token and request.path not in OPEN_PATHS and not authorized(request, token):
-        return _error(401, "missing or wrong bearer token (Authorization: Bearer <admin.token>)",
+        return check.error(401, "missing or wrong bearer token (Authorization: Bearer <admin.token>)",
                       {"WWW-Authenticate": 'Bearer realm="kvstore-admin"'})
     try:
         return await handler(request)
     except AdminError as exc:
-        return _error(exc.status, exc.message)
+        return check.error(exc.status, exc.message)
     except web.HTTPRequestEntityTooLarge:
-        return _error(413, f"the request body is over the limit of {state.config.admin.max_body_bytes} bytes "
+        return check.error(413, f"the request body is over the limit of {state.config.admin.max_body_bytes} bytes "
                            "(admin.max_body_bytes)")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-        return _error(exc.status, f"{exc.reason}: {request.method} {request.path}", allow)
+        return check.error(exc.status, f"{exc.reason}: {request.method} {request.path}", allow)
     except KVStoreError as exc:
-        return _error(409, str(exc))
+        return check.error(409, str(exc))
     except Exception as exc:  # noqa: BLE001 - answered 500 and logged
         _log_failure(request, exc)
-        return _error(500, "internal server error (logged on the server)")
+        return check.error(500, "internal server error (logged on the server)")
 
 
 class AccessLogger(AbstractAccessLogger):
