@@ -31,8 +31,6 @@ Run `kvstore COMMAND --help` for a command's options.
 
 # name -> (help, what it waits for)
 NOT_BUILT = {
-    "sidecar": ("run the store alone next to an external inference engine (Unix socket + shared memory)",
-                "the sidecar server comes in a later version"),
     "job": ("run a long-document QA job: many questions over the same documents, their prefixes cached",
             "the job runner comes in a later version"),
 }
@@ -182,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_module_command(subparsers, "kvstore.bench")
     _add_serve_command(subparsers)
     _add_module_command(subparsers, "kvstore.inspect")
+    _add_module_command(subparsers, "kvstore.server.sidecar")
     for name, (help, why) in NOT_BUILT.items():
         _add_not_built(subparsers, name, help, why)
     return parser
