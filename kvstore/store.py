@@ -6,7 +6,8 @@ keys (keys.py), indexed by PageIndex (where, who holds them, how used) and moved
 A caller's life cycle: match(tokens) -> acquire(match.keys) (hot slots of the cached prefix,
 referenced) -> allocate(n) (fresh hot slots for the rest) -> fill them -> commit(tokens, slots)
 -> release(slots). Released pages stay cached (refcount 0) until evicted.
-Another process sharing the warm tier (the sidecar's client) does the same in warm:
+Another process sharing the warm tier (the sidecar's client) does the same in warm
+(sharing.py, WarmSharing):
 lease_warm(keys) / allocate_warm(n) -> fill -> commit_warm(tokens, slots) -> release_warm(slots).
 
 Thread model: every public method takes one re-entrant lock and is synchronous. Cold-tier I/O
@@ -30,6 +31,7 @@ from kvstore.keys import Namespace, page_keys, tokens_bytes
 from kvstore import record
 from kvstore.mover import TIERS, PageMover
 from kvstore.record import RecordHeader
+from kvstore.sharing import WarmSharing
 from kvstore.spec import KVSpec
 from kvstore.tiers.device import DeviceTier, resolve_device
 from kvstore.tiers.disk import DiskTier
@@ -69,7 +71,7 @@ def free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-class TieredStore:
+class TieredStore(WarmSharing):
     def __init__(self, config: Config, spec: KVSpec | None = None, model_id: str | None = None):
         self.config = config
         device = resolve_device(config.hot.device)
@@ -300,78 +302,6 @@ class TieredStore:
                     self._emit("add", header.key, "warm")
                 done += 1
         return done
-
-    # warm pages shared with another process (the sidecar): leased instead of referenced
-    def allocate_warm(self, n: int) -> list[int]:
-        """n warm slots for the caller to fill, evicting unleased warm pages if needed."""
-        with self._lock:
-            if not self.mover.make_room("warm", n):
-                raise OutOfCapacity(f"out of warm capacity: {n} warm pages requested, {self.warm.pool.num_free} free "
-                                    f"of {self.warm.num_slots} ({len(self._warm_owned)} allocated, others leased or pinned)")
-            slots = self.warm.pool.alloc(n)
-            self._warm_owned.update(slots)
-            return slots
-
-    def commit_warm(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int],
-                    start_page: int = 0) -> list[bytes]:
-        """Give keys to pages start_page.. of `tokens`, written by the caller into warm slots from
-        allocate_warm; returns their keys. They become cached, unleased. A slot whose page is cached
-        already is freed. Page start_page - 1 must be cached. On error nothing has changed."""
-        ps, end = self.spec.page_size, start_page + len(slots)
-        if start_page < 0 or end > len(tokens) // ps:
-            raise KVStoreError(f"commit_warm: pages {start_page}..{end - 1} need {end * ps} tokens, got {len(tokens)}")
-        keys = page_keys(namespace, tokens, ps)[:end]
-        with self._lock:
-            if not self._warm_owned.issuperset(slots) or len(set(slots)) < len(slots):
-                raise KVStoreError(f"commit_warm: warm slots {list(slots)} are not all allocated to the caller")
-            parent = keys[start_page - 1] if start_page else namespace.digest
-            if start_page and parent not in self.index:
-                raise KVStoreError(f"commit_warm: page {start_page - 1}, the parent of page {start_page}, is not cached")
-            for i, slot in enumerate(slots, start=start_page):
-                self._warm_owned.discard(slot)
-                if keys[i] in self.index:
-                    self.warm.pool.free([slot])
-                else:
-                    e = self.index.add(PageEntry(keys[i], parent, namespace.digest,
-                                                 tokens_bytes(tokens[i * ps:(i + 1) * ps]), depth=i))
-                    self.index.set_warm(e, slot)
-                    if self.config.write_policy == "write_through":
-                        self.write_through_pending.append(keys[i])
-                    self._emit("add", keys[i], "warm")
-                parent = keys[i]
-        return keys[start_page:]
-
-    def lease_warm(self, keys: Sequence[bytes], namespace: Namespace | None = None) -> list[int]:
-        """Warm slots holding these pages (a prefix chain), each now leased once by the caller: the page
-        stays in that slot, unchanged, until release_warm. Pages only in hot or cold are copied to warm.
-        Stops at the first page that is gone, of another namespace, bad, or finds no warm room."""
-        slots: list[int] = []
-        with self._lock:
-            for key in keys:
-                e = self.index.get(key)
-                if (e is None or (namespace is not None and e.namespace != namespace.digest)
-                        or not self.mover.ensure_warm_copy(e)):
-                    break
-                e.leases += 1
-                e.hits += 1
-                self.index.touch(e)
-                slots.append(e.warm)
-        return slots
-
-    def release_warm(self, slots: Sequence[int]) -> None:
-        """End the caller's leases on these warm slots and free its uncommitted ones; all or nothing."""
-        with self._lock:
-            for slot in slots:
-                e = self.index.warm_slots.get(slot)
-                if slot not in self._warm_owned and (e is None or e.leases < slots.count(slot)):
-                    raise KVStoreError(f"release_warm: warm slot {slot} is not leased or allocated")
-            for slot in reversed(slots):
-                if slot in self._warm_owned:
-                    self._warm_owned.discard(slot)
-                    self.warm.pool.free([slot])
-                    continue
-                self.index.warm_slots[slot].leases -= 1
-                self.index.touch(self.index.warm_slots[slot])
 
     # operator controls
     def pin(self, keys: Iterable[bytes], ttl_s: float | None = None) -> int:
