@@ -12,7 +12,6 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Callable
 
 from kvstore import __version__
 from kvstore.errors import KVStoreError
@@ -29,11 +28,6 @@ config precedence: built-in defaults < YAML file (--config, or KVSTORE_CONFIG)
 Run `kvstore COMMAND --help` for a command's options.
 """
 
-# name -> (help, what it waits for)
-NOT_BUILT = {
-    "job": ("run a long-document QA job: many questions over the same documents, their prefixes cached",
-            "the job runner comes in a later version"),
-}
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
     """The options of every command that reads the config."""
@@ -136,27 +130,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_built(name: str, why: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        print(f"kvstore {name}: not built yet in this version ({why}; see README, Status)", file=sys.stderr)
-        return 2
-    return run
-
-
-def _add_not_built(subparsers, name: str, help: str, why: str) -> None:
-    p = subparsers.add_parser(name, help=f"{help} (not built yet)",
-                              description=f"{help}.\n\nNot built yet in this version: {why}.",
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_options(p)
-    p.set_defaults(func=_not_built(name, why), any_arguments=True)
-
-
-def _add_module_command(subparsers, module_name: str) -> None:
+def _add_module_command(subparsers, module_name: str, name: str | None = None) -> None:
     """Register a module's subcommand; if the module cannot be imported, a stub that says so."""
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        name = module_name.rsplit(".", 1)[-1]
+        name = name or module_name.rsplit(".", 1)[-1]
         why = f"{module_name} cannot be imported: {exc}"
         p = subparsers.add_parser(name, help=f"(unavailable in this build: {exc})")
         p.set_defaults(func=lambda args: _unavailable(name, why), any_arguments=True)
@@ -181,8 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_command(subparsers)
     _add_module_command(subparsers, "kvstore.inspect")
     _add_module_command(subparsers, "kvstore.server.sidecar")
-    for name, (help, why) in NOT_BUILT.items():
-        _add_not_built(subparsers, name, help, why)
+    _add_module_command(subparsers, "kvstore.job.cli", "job")
     return parser
 
 

@@ -142,18 +142,22 @@ class PageMover:
             return e.residency > 1 or not e.kids
         return True
 
-    def victims(self, tier: str, n: int, exclude: set | None = None) -> list[PageEntry]:
+    def victims(self, tier: str, n: int, exclude: set | None = None, leaves: bool = False) -> list[PageEntry]:
         now = self.index.now()
         cands = (e for e in self.index.in_tier(tier)
-                 if self.evictable(e, tier, now) and (exclude is None or e.key not in exclude))
+                 if self.evictable(e, tier, now) and (exclude is None or e.key not in exclude)
+                 and not (leaves and e.kids))
         return pick(self.policy, cands, n)
 
     def make_room(self, tier: str, n: int, exclude: set | None = None) -> bool:
         """Free slots in hot or warm until n are free; False if that is impossible."""
         pool = self.hot.pool if tier == "hot" else self.warm.pool
-        short = n - pool.num_free
-        if short > 0:
-            self.demote(self.victims(tier, short, exclude), tier)
+        while pool.num_free < n:
+            short = n - pool.num_free
+            # a parent with nowhere lower to go stays; dropping leaves first frees it for the next round
+            if not (self.demote(self.victims(tier, short, exclude), tier)
+                    or self.demote(self.victims(tier, short, exclude, leaves=True), tier)):
+                break
         return pool.num_free >= n
 
     def make_room_cold(self, nbytes: int, exclude: set | None = None) -> bool:

@@ -195,3 +195,13 @@ def test_sequence_longer_than_the_hot_tier_spills_to_warm_and_stays_exact(tmp_pa
         assert llm.store.audit()["problems"] == [] and llm.store.audit()["total_refcount"] == 0
     finally:
         llm.close()
+
+
+def test_without_a_cold_tier_full_tiers_still_make_room(tmp_path):
+    llm = make_llm(tmp_path, hot__pool="256KiB", warm__bytes="256KiB", cold__enabled="false")
+    try:
+        for tenant in "abcdef":
+            [out] = llm.generate([prompt_ids(8, 300)], SamplingParams(max_tokens=4), tenant=tenant)
+            assert out.finish_reason == "length" and len(out.token_ids) == 4, tenant
+    finally:
+        llm.close()
