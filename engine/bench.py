@@ -2,10 +2,12 @@
 
 long-doc-qa  Many questions over the same long document. Time to first token (the engine's own
              RequestOutput.ttft_s, and the wall time of generate()) when the document prefix is
-             recomputed (a tenant of its own per question: nothing cached), promoted from cold
-             (LMDB), from warm (host memory), or already in hot; and Hugging Face transformers on
-             the same weights with no cache reuse (generate with max_new_tokens=1 on the whole
-             prompt). The greedy tokens of every cached run must equal the recomputed run's.
+             recomputed (the first question before anything is cached, the others each in a
+             tenant of its own), promoted from cold (LMDB), from warm (host memory), or already in
+             hot; and Hugging Face transformers on the same weights with no cache reuse (generate
+             with max_new_tokens=1 on the whole prompt). The modes run question by question, so a
+             busy spell of the machine slows all of them. The greedy tokens of every cached run
+             must equal the recomputed run's (or the hot run's, for questions not recomputed).
 decode       Batched greedy decoding throughput (generated tokens a second, prefill included) of
              the engine against transformers' generate on the same weights, batch and lengths
              (equal-length prompts, no padding). The first tokens of every sequence must agree.
@@ -159,6 +161,10 @@ def _progress(name: str) -> Callable[[str], None]:
     return say
 
 
+def _backend_name(llm: LLM) -> str:
+    return type(llm.backend).__name__.removesuffix("Backend").lower()
+
+
 def _spec(args: argparse.Namespace):
     """The KV geometry the engine will have, to size its tiers before building it (auto dtype: the larger)."""
     page_size = int(parse_set(args.set).get("page_size", 16))
@@ -202,7 +208,8 @@ def run_long_doc_qa(args: argparse.Namespace) -> dict:
     # pools: every prompt a recompute leaves behind stays in hot, so nothing is evicted while timing
     spec = _spec(args)
     prompt_pages = spec.pages_for(doc_tokens + q_tokens + max_tokens)
-    hot_pages = docs * (n_recompute * prompt_pages + questions * (prompt_pages - doc_tokens // 16 + 1)) + prompt_pages
+    question_pages = prompt_pages - doc_tokens // spec.page_size + 1
+    hot_pages = docs * (n_recompute * prompt_pages + questions * question_pages) + prompt_pages
     doc_bytes = docs * prompt_pages * spec.page_bytes
     workdir = tempfile.mkdtemp(prefix="kvstore-bench-engine-", dir=args.dir)
     llm = None
@@ -258,7 +265,7 @@ def run_long_doc_qa(args: argparse.Namespace) -> dict:
             drop_question_pages(run, prompt)
             return run
 
-        def transformers_ttft(d: int, q: int) -> float:
+        def transformers_ttft(d: int, q: int) -> tuple[float, int]:
             _sync(store.hot.device)
             t = time.perf_counter()
             [first] = hf_generate(model, [doc_ids[d] + q_ids[d][q]], 1, llm.runner.vocab_limit)
@@ -284,7 +291,6 @@ def run_long_doc_qa(args: argparse.Namespace) -> dict:
                     mode = cached_modes[(q + i) % 3]
                     run = runs[mode][d, q] = cached(d, q, mode)
                     say(f"doc {d} question {q}: {mode} ttft {run.ttft_s:.4f} s, cached {run.cached_tokens}")
-        del model
 
         # exactness: cached runs against the recomputed one, else (no recompute run) against hot
         mismatches, vs_recompute, vs_hot = [], 0, 0
@@ -300,7 +306,7 @@ def run_long_doc_qa(args: argparse.Namespace) -> dict:
             vs_hot += 0 if ref else 2
 
         report = {"benchmark": "long-doc-qa", "model": args.model, "dtype": str(llm.dtype).removeprefix("torch."),
-                  "device": str(store.hot.device), "attention_backend": type(llm.backend).__name__.removesuffix("Backend").lower(),
+                  "device": str(store.hot.device), "attention_backend": _backend_name(llm),
                   "page_size": ps, "doc_tokens": doc_tokens, "docs": docs, "questions": questions,
                   "question_tokens": q_tokens, "max_tokens": max_tokens, "prefill_chunk_tokens": chunk,
                   "hot_bytes": store.hot.capacity_bytes, "warm_bytes": store.warm.capacity_bytes,
@@ -388,10 +394,10 @@ def run_decode(args: argparse.Namespace) -> dict:
         model = None if args.skip_hf else hf_model(llm)
         say(f"{args.model}: batch {batch}, {prompt_tokens} prompt tokens, {new_tokens} new tokens, "
             f"{repeat} rounds of engine{'' if args.skip_hf else ' then transformers'}")
-        warm = [synthetic(pool, prompt_tokens, 7, bos)] * 2
-        llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), tenant="warmup")
+        warmup = [synthetic(pool, prompt_tokens, 7, bos)] * 2
+        llm.generate(warmup, SamplingParams(max_tokens=4, ignore_eos=True), tenant="warmup")
         if model is not None:
-            hf_generate(model, warm, 4, llm.runner.vocab_limit)
+            hf_generate(model, warmup, 4, llm.runner.vocab_limit)
 
         engine_s, hf_s, engine_tokens, hf_tokens = [], [], [], None
         for r in range(repeat):
@@ -426,7 +432,7 @@ def run_decode(args: argparse.Namespace) -> dict:
         generated = batch * new_tokens
         best_engine = min(engine_s)
         report = {"benchmark": "decode", "model": args.model, "dtype": str(llm.dtype).removeprefix("torch."),
-                  "device": str(device), "attention_backend": type(llm.backend).__name__.removesuffix("Backend").lower(), "batch": batch,
+                  "device": str(device), "attention_backend": _backend_name(llm), "batch": batch,
                   "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeat": repeat,
                   "statistic": "best", "includes_prefill": True,
                   "engine": {"tokens_per_s": _sig(generated / best_engine), "seconds": _sig(best_engine),
@@ -474,7 +480,7 @@ def format_decode(r: dict) -> str:
 # command line
 EPILOG = """\
 examples:
-  scripts/bench_engine long-doc-qa --json                  8K-token document, 8 questions (~10 min on 2 cores)
+  scripts/bench_engine long-doc-qa --json                  8K-token document, 8 questions (8-12 min on 2 cores)
   scripts/bench_engine long-doc-qa --doc-tokens 2048 --skip-hf
   scripts/bench_engine decode --json                       batch 16, 64 + 256 tokens, against transformers
   scripts/bench_engine decode --profile 25                 also where the engine's time goes (cProfile)
