@@ -15,6 +15,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is also free and below 65536."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            port -= 30000   # the kernel's ephemeral range starts at 32768; shift below it
+        if port > 1024 and _is_free(port) and _is_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a Redis cluster node")
+
+
 def make_cert(directory: Path) -> tuple[Path, Path]:
     cert, key = directory / "redis.crt", directory / "redis.key"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
@@ -29,7 +49,7 @@ class RedisServer:
                  cluster: bool = False, port: int | None = None):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
+        self.port = port or (free_cluster_port() if cluster else free_port())
         self.password, self.tls, self.cluster = password, tls, cluster
         self.cert = self.key = None
         if tls:
@@ -54,9 +74,14 @@ class RedisServer:
         return a
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = self.dir / "redis.log"
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(self.args(), stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30   # a loaded machine can be slow to start it
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = log.read_text(errors="replace")[-400:]
+                raise RuntimeError(f"redis-server exited on port {self.port}: {tail}")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
                 return
