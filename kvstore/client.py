@@ -9,6 +9,8 @@ AsyncSidecarClient (asyncio), with the same methods.
 Page bytes go through the sidecar's warm tier, a shared-memory segment this process maps: put
 writes into slots the sidecar hands out, get copies out of slots it leases to this client. With
 use_shm=False they travel in the socket frames instead (for a client that cannot map it).
+layout names a client's own byte layout of a page when it is not kvstore's page-first one (another
+engine's KV blocks kept as opaque bytes of the same size); it is part of the namespace.
 populate=True maps the whole segment at connect (one pass, instead of a page fault on the first
 use of each slot), and get(..., out=buffer) copies into a reused buffer instead of new memory:
 what a long-running engine wants.
@@ -44,8 +46,9 @@ class SidecarClient(ClientOps):
     """A blocking client; one request at a time (not thread-safe: one client per thread)."""
 
     def __init__(self, socket_path: str | Path, spec: KVSpec, model: str, tenant: str = "", salt: str = "",
-                 use_shm: bool = True, timeout: float | None = 60.0, client: str = "", populate: bool = False):
-        super().__init__(socket_path, spec, model, tenant, salt, use_shm, client, populate)
+                 use_shm: bool = True, timeout: float | None = 60.0, client: str = "", populate: bool = False,
+                 layout: str = ""):
+        super().__init__(socket_path, spec, model, tenant, salt, use_shm, client, populate, layout)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         self._buffer = bytearray()   # reused for large replies (the bytes fallback's pages)
@@ -165,8 +168,9 @@ class AsyncSidecarClient(ClientOps):
     Tasks may share one client; its requests take turns on the connection."""
 
     def __init__(self, socket_path: str | Path, spec: KVSpec, model: str, tenant: str = "", salt: str = "",
-                 use_shm: bool = True, timeout: float | None = 60.0, client: str = "", populate: bool = False):
-        super().__init__(socket_path, spec, model, tenant, salt, use_shm, client, populate)
+                 use_shm: bool = True, timeout: float | None = 60.0, client: str = "", populate: bool = False,
+                 layout: str = ""):
+        super().__init__(socket_path, spec, model, tenant, salt, use_shm, client, populate, layout)
         self.timeout = timeout
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None

@@ -70,8 +70,9 @@ class ClientOps:
     """What both clients share: the hello, the shared mapping, and each op as a generator of requests."""
 
     def __init__(self, socket_path: str | Path, spec: KVSpec, model: str, tenant: str = "", salt: str = "",
-                 use_shm: bool = True, client: str = "", populate: bool = False):
+                 use_shm: bool = True, client: str = "", populate: bool = False, layout: str = ""):
         self.socket_path = str(socket_path)
+        self.layout = layout
         self.populate = populate
         self.spec, self.model, self.tenant, self.salt = spec, model, tenant, salt
         self.use_shm = use_shm
@@ -96,7 +97,8 @@ class ClientOps:
     # hello and the mapping
     def _hello(self) -> Op:
         reply = yield {"op": "hello", "spec": spec_fields(self.spec), "model": self.model,
-                       "tenant": self.tenant, "salt": self.salt, "client": self.client}
+                       "tenant": self.tenant, "salt": self.salt, "client": self.client,
+                       "layout": self.layout}
         self.info = reply
         if self.use_shm:
             self._map(reply["shm"], reply["slots"], reply["page_bytes"])
@@ -133,6 +135,14 @@ class ClientOps:
         if self._pages is None:
             raise SidecarError("view: the shared memory is not mapped (use_shm=False, or closed)")
         return self._pages[slot]
+
+    @property
+    def warm_pages(self) -> torch.Tensor:
+        """All of the sidecar's warm slots, in place in shared memory: [slots, layers, 2, page_size,
+        kv_heads, head_dim]; index it with slots this client holds (batched copies of many pages)."""
+        if self._pages is None:
+            raise SidecarError("warm_pages: the shared memory is not mapped (use_shm=False, or closed)")
+        return self._pages
 
     # ops
     def _lookup(self, tokens: Sequence[int]) -> Op:

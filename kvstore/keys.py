@@ -34,8 +34,11 @@ class Namespace:
     salt: str = ""
 
     @classmethod
-    def for_spec(cls, model: str, spec: KVSpec, tenant: str = "", salt: str = "") -> "Namespace":
-        return cls(model=model, kv_dtype=spec.dtype, layout=f"{LAYOUT_VERSION}/{spec.fingerprint.hex()}",
+    def for_spec(cls, model: str, spec: KVSpec, tenant: str = "", salt: str = "",
+                 layout: str = "") -> "Namespace":
+        """`layout` names a client's own byte layout of a page (e.g. another engine's KV blocks,
+        stored as opaque bytes); empty means kvstore's page-first layout."""
+        return cls(model=model, kv_dtype=spec.dtype, layout=f"{layout or LAYOUT_VERSION}/{spec.fingerprint.hex()}",
                    tenant=tenant, salt=salt)
 
     def with_tenant(self, tenant: str) -> "Namespace":

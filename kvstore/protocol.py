@@ -5,8 +5,9 @@ Frames: a 4-byte big-endian length, then a msgpack map {"op": ..., "id": ..., ..
 request gets one reply, {"id", "ok": true, ...} or {"id", "ok": false, "error": "one line"}.
 Keys travel as hex strings.
 
-    hello    {spec, model, tenant, salt, client}  -> {shm, page_bytes, slots, lease_s, max_frame_bytes, frame_pages}
-             checks the geometry and fixes the connection's namespace; every other op needs it first
+    hello    {spec, model, tenant, salt, client, layout}  -> {shm, page_bytes, slots, lease_s, max_frame_bytes, frame_pages}
+             checks the geometry and fixes the connection's namespace; every other op needs it first;
+             layout (optional) names the client's own byte layout of a page, part of the namespace
     lookup   {tokens}                             -> {pages, tokens, tiers, counts, keys}   no side effects
     alloc    {n}                                  -> {slots}   warm slots for this client to fill
     put      {tokens, slots, start_page}          -> {keys}    the filled slots become cached pages

@@ -229,6 +229,9 @@ class SidecarServer:
         tenant = get_field(req, "tenant", str, "", "a string")
         salt = get_field(req, "salt", str, "", "a string")
         client = get_field(req, "client", str, "", "a string")
+        layout = get_field(req, "layout", str, "", "a string")
+        if len(layout) > 256:
+            raise KVStoreError("hello: layout must be at most 256 characters")
         missing = [f for f in SPEC_FIELDS if f not in theirs]
         if missing:
             raise ProtocolError(f"hello: spec lacks {', '.join(missing)}")
@@ -242,7 +245,7 @@ class SidecarServer:
             raise KVStoreError(f"hello: spec differs from the sidecar's: {', '.join(diffs)}")
         if not model:
             raise KVStoreError("hello: model must name the model (a non-empty string)")
-        s.namespace = Namespace.for_spec(model, self.spec, tenant, salt)
+        s.namespace = Namespace.for_spec(model, self.spec, tenant, salt, layout)
         if client:
             s.name = f"{s.name} {client[:64]!r}"
         log.info("client %s: hello (model %r)", s.name, model[:128])

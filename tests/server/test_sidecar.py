@@ -215,12 +215,13 @@ async def test_async_client(sidecar):
         assert torch.equal(await kv.get(tokens_for(21, 3)), pages_for(21, 3))
 
 
-def test_tenants_do_not_see_each_other(sidecar):
+def test_tenants_and_layouts_do_not_see_each_other(sidecar):
     tokens, pages = tokens_for(30, 3), pages_for(30, 3)
-    with sidecar.client(tenant="a") as a, sidecar.client(tenant="b") as b, sidecar.client(tenant="a", salt="s") as c:
+    with sidecar.client(tenant="a") as a, sidecar.client(tenant="b") as b, sidecar.client(tenant="a", salt="s") as c, \
+            sidecar.client(tenant="a", layout="other-engine-blocks-v1") as d:
         keys = a.put(tokens, pages)
         assert a.lookup(tokens).pages == 3
-        for other in (b, c):
+        for other in (b, c, d):
             assert other.lookup(tokens).pages == 0
             assert len(other.get(tokens)) == 0
             assert other.get_slots(keys=keys).slots == []   # a known key of another tenant is not served
