@@ -1,0 +1,1 @@
+"""The kvstore KV connector for vLLM: see kvstore_vllm.connector."""
