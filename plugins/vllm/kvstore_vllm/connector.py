@@ -137,6 +137,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # worker side
         self._layers: list[torch.Tensor] = []
         self._errors: set[int] = set()
+        self._failed_now: set[str] = set()   # requests whose load failed in this step: save nothing of theirs
         self._async_link = SidecarLink(str(socket_path), self.spec, self.layout, tenant, retry_s, f"vllm-{side}-async")
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, tuple[Future, Transfer]] = {}
@@ -263,7 +264,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                     self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
                 self._inflight[load.req_id] = (self._pool.submit(self._load, self._async_link, load), load)
             else:
-                self._errors |= self._load(self.link, load)
+                failed = self._load(self.link, load)
+                if failed:
+                    self._errors |= failed
+                    self._failed_now.add(load.req_id)
 
     def _load(self, link: SidecarLink, load: Transfer) -> set[int]:
         """Copy the pages into their blocks; the ids of the blocks that could not be loaded."""
@@ -299,8 +303,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVStoreMetadata):
             return
+        failed, self._failed_now = self._failed_now, set()
         for save in meta.saves:
-            self._save(save)
+            # this step computed that request's blocks on top of blocks that did not load: vLLM
+            # discards them and recomputes; saving them would cache KV that is wrong
+            if save.req_id not in failed:
+                self._save(save)
 
     def _save(self, save: Transfer) -> None:
         """Copy the blocks into fresh warm slots and commit them as the request's pages (best effort:

@@ -66,10 +66,13 @@ def main() -> None:
     prefix = [rng.randrange(*VOCAB) for _ in range(PREFIX)]
     question = lambda: prefix + [rng.randrange(*VOCAB) for _ in range(24)]   # noqa: E731
     filler = lambda: [rng.randrange(*VOCAB) for _ in range(740)]             # noqa: E731
+    # a question whose own suffix fills a block past the prefix: in the corrupt phase that block is
+    # computed in the same step as the failed load, and must not be cached
+    long_question = prefix + [rng.randrange(*VOCAB) for _ in range(150)]
     phases = [("down", [question(), filler(), question()]),
               ("warm", [question(), filler(), question(), filler(), question()]),
               ("cold", [filler(), question()]),
-              ("corrupt", [filler(), question()])]
+              ("corrupt", [filler(), long_question, filler(), long_question, filler(), long_question])]
     sock = work / "kv.sock"
     kwargs = dict(dtype="float32", block_size=BLOCK, max_model_len=768, enable_prefix_caching=True,
                   num_gpu_blocks_override=7, max_num_seqs=4, seed=0)
