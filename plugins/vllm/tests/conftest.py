@@ -37,10 +37,12 @@ def _result(proc: subprocess.Popen, work: Path) -> tuple[list[dict], str]:
 
 @pytest.fixture(scope="session")
 def runs(model_dir, tmp_path_factory):
-    """(baseline rows, connector rows, the connector run's vLLM log). Both engines run at once."""
+    """(baseline rows, connector rows, its vLLM log, connector-sync rows, its log); the engines run at once."""
     base = tmp_path_factory.mktemp("baseline")
     # a short directory: the sidecar's socket path must stay under 108 bytes
-    conn = Path(tempfile.mkdtemp(prefix="kvv-"))
-    procs = [_start(model_dir, base, "baseline"), _start(model_dir, conn, "connector")]
-    (baseline, _), (connector, log) = _result(procs[0], base), _result(procs[1], conn)
-    return baseline, connector, log
+    conn, sync = Path(tempfile.mkdtemp(prefix="kvv-")), Path(tempfile.mkdtemp(prefix="kvs-"))
+    procs = [_start(model_dir, base, "baseline"), _start(model_dir, conn, "connector"),
+             _start(model_dir, sync, "connector-sync")]
+    (baseline, _), (connector, log), (synced, sync_log) = (_result(procs[0], base), _result(procs[1], conn),
+                                                           _result(procs[2], sync))
+    return baseline, connector, log, synced, sync_log

@@ -2,6 +2,7 @@
 
     python drive.py MODEL_DIR WORK_DIR baseline     vLLM alone
     python drive.py MODEL_DIR WORK_DIR connector    vLLM with the kvstore connector and a sidecar
+    python drive.py MODEL_DIR WORK_DIR connector-sync   the same, loading cold pages synchronously
 
 Phases (the same prompts, in the same order, in both modes):
     down     the sidecar is not running yet: vLLM serves, no hits
@@ -76,14 +77,16 @@ def main() -> None:
     sock = work / "kv.sock"
     kwargs = dict(dtype="float32", block_size=BLOCK, max_model_len=768, enable_prefix_caching=True,
                   num_gpu_blocks_override=7, max_num_seqs=4, seed=0)
-    if mode == "connector":
-        kwargs["kv_transfer_config"] = connector_config(sock)
+    if mode.startswith("connector"):
+        # connector-sync: cold pages load synchronously too, so a failed load is found in the step
+        # that computes on top of it
+        kwargs["kv_transfer_config"] = connector_config(sock, load_cold_async=mode != "connector-sync")
     llm = LLM(str(model_dir), **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3)
     sidecar = None
     results: list[dict] = []
     for phase, prompts in phases:
-        if mode == "connector":
+        if mode.startswith("connector"):
             if phase == "warm":
                 sidecar = Sidecar(model_dir, work / "data", sock, block_size=BLOCK)
                 time.sleep(1.0)   # the connector retries every 0.5 s
@@ -107,7 +110,7 @@ def main() -> None:
                 row["hits"] = {t: after[t]["hits"] - before[t]["hits"] for t in ("hot", "warm", "cold")}
                 row["pages"] = {t: after[t]["pages"] for t in ("hot", "warm", "cold")}
             results.append(row)
-    if mode == "connector":
+    if mode.startswith("connector"):
         from vllm.distributed.kv_transfer import get_kv_transfer_group
         results.append({"phase": "end", "worker_counters": get_kv_transfer_group().counters,
                         "sidecar_log_tracebacks": sidecar.log().count("Traceback")})

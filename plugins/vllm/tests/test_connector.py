@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 PREFIX_PAGES = 4
 
 
@@ -26,7 +28,7 @@ def loaded_lines(log: str) -> list[int]:
 
 
 def test_prefix_loaded_from_warm_gives_the_same_tokens_and_logprobs(runs):
-    baseline, connector, log = runs
+    baseline, connector, log = runs[:3]
     assert_same(baseline, connector, "warm")
     questions = [r for r in rows(connector, "warm") if r["is_question"]]
     base_questions = [r for r in rows(baseline, "warm") if r["is_question"]]
@@ -39,16 +41,22 @@ def test_prefix_loaded_from_warm_gives_the_same_tokens_and_logprobs(runs):
     assert loaded_lines(log).count(512) >= 2
 
 
-def test_after_a_sidecar_restart_the_prefix_comes_from_cold(runs):
-    baseline, connector, _ = runs
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_after_a_sidecar_restart_the_prefix_comes_from_cold(runs, mode):
+    baseline, connector = runs[0], runs[1 if mode == "async" else 3]
     assert_same(baseline, connector, "cold")
     question = [r for r in rows(connector, "cold") if r["is_question"]][0]
     assert question["cached"] == 512
     assert question["hits"]["cold"] == PREFIX_PAGES, question["hits"]
 
 
-def test_a_corrupted_page_is_recomputed_and_the_output_stays_exact(runs):
-    baseline, connector, log = runs
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_corrupted_page_is_recomputed_and_the_output_stays_exact(runs, mode):
+    """The same long question three times: the load fails at page 2 (recomputed), the next run
+    re-saves page 2, the last loads all five pages. With a synchronous load the failing step
+    also computes page 4 over the blocks that did not load: it must not be cached, or the last
+    run would read it (its tokens would differ)."""
+    baseline, connector, log = runs[0], runs[1 if mode == "async" else 3], runs[2 if mode == "async" else 4]
     flipped = [r for r in connector if r.get("flipped_records") is not None]
     assert flipped and flipped[0]["flipped_records"] >= 1
     assert_same(baseline, connector, "corrupt")
@@ -58,7 +66,7 @@ def test_a_corrupted_page_is_recomputed_and_the_output_stays_exact(runs):
 
 
 def test_sidecar_down_vllm_keeps_serving_and_hits_resume(runs):
-    baseline, connector, log = runs
+    baseline, connector, log = runs[:3]
     assert_same(baseline, connector, "down")
     assert all(r["cached"] == 0 for r in rows(connector, "down"))
     assert "kvstore sidecar unavailable" in log
@@ -67,6 +75,7 @@ def test_sidecar_down_vllm_keeps_serving_and_hits_resume(runs):
 
 
 def test_the_sidecar_logged_no_traceback(runs):
-    end = [r for r in runs[1] if r["phase"] == "end"][0]
-    assert end["sidecar_log_tracebacks"] == 0
-    assert "Traceback" not in runs[2]
+    for results, log in ((runs[1], runs[2]), (runs[3], runs[4])):
+        end = [r for r in results if r["phase"] == "end"][0]
+        assert end["sidecar_log_tracebacks"] == 0
+        assert "Traceback" not in log
