@@ -31,13 +31,14 @@ retry_s (seconds between reconnects, default 2), load_cold_async (default true).
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                              KVConnectorRole)
+                                                              KVConnectorRole, KVConnectorWorkerMetadata)
 
 from kvstore.client import SidecarError, SidecarUnavailable
 from kvstore.spec import DTYPES, KVSpec
@@ -71,6 +72,20 @@ class Transfer:
 class KVStoreMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the first page of each request that did not load, so the scheduler saves
+    the pages vLLM recomputes in their place."""
+
+    failed: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = dict(self.failed)
+        for req_id, page in getattr(other, "failed", {}).items():
+            merged[req_id] = min(page, merged.get(req_id, page))
+        return KVStoreWorkerMetadata(merged)
 
 
 @dataclass
@@ -138,6 +153,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layers: list[torch.Tensor] = []
         self._errors: set[int] = set()
         self._failed_now: set[str] = set()   # requests whose load failed in this step: save nothing of theirs
+        self._failed_pages: dict[str, int] = {}   # request -> first page that did not load, for the scheduler
+        self._failed_lock = threading.Lock()      # asynchronous loads report from their thread
         self._async_link = SidecarLink(str(socket_path), self.spec, self.layout, tenant, retry_s, f"vllm-{side}-async")
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, tuple[Future, Transfer]] = {}
@@ -242,6 +259,14 @@ class KVStoreConnector(KVConnectorBase_V1):
                                    tracked.block_ids[start:end], start))
         tracked.stored_pages = end
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Pages that did not load are recomputed by vLLM: save them again as they fill."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        for req_id, page in getattr(meta, "failed", {}).items():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.stored_pages = min(tracked.stored_pages, page)
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
@@ -282,6 +307,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
         got = link.run(load.scope, "load", copy_in) or 0
         failed = set(load.block_ids[got:])
+        if failed:
+            with self._failed_lock:
+                self._failed_pages[load.req_id] = load.start_page + got
         self.counters["loaded_pages"] += got
         self.counters["failed_pages"] += len(failed)
         if failed:
@@ -336,6 +364,13 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.warning("kvstore: request %s: load failed: %s", req_id, exc)
                 self._errors |= set(load.block_ids)
         return None, (done or None)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        with self._failed_lock:
+            if not self._failed_pages:
+                return None
+            failed, self._failed_pages = self._failed_pages, {}
+        return KVStoreWorkerMetadata(failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

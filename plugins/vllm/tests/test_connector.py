@@ -52,16 +52,19 @@ def test_after_a_sidecar_restart_the_prefix_comes_from_cold(runs, mode):
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_corrupted_page_is_recomputed_and_the_output_stays_exact(runs, mode):
-    """The same long question three times: the load fails at page 2 (recomputed), the next run
-    re-saves page 2, the last loads all five pages. With a synchronous load the failing step
-    also computes page 4 over the blocks that did not load: it must not be cached, or the last
-    run would read it (its tokens would differ)."""
+    """The same long question three times: the load fails at page 2, vLLM recomputes pages 2-4
+    and the connector saves them, so the next two load all five pages. With a synchronous load
+    the failing step also computes page 4 over the blocks that did not load: it must not be
+    cached, or the later runs would read it (their tokens would differ)."""
     baseline, connector, log = runs[0], runs[1 if mode == "async" else 3], runs[2 if mode == "async" else 4]
     flipped = [r for r in connector if r.get("flipped_records") is not None]
     assert flipped and flipped[0]["flipped_records"] >= 1
     assert_same(baseline, connector, "corrupt")
     end = [r for r in connector if r["phase"] == "end"][0]
     assert end["worker_counters"]["failed_pages"] >= 1
+    # the request that failed to load saved the pages it recomputed: the next ones load all five
+    questions = [r for r in rows(connector, "corrupt") if r["is_question"]]
+    assert [r["cached"] for r in questions] == [512, 640, 640]
     assert re.search(r"kvstore: request \S+: 2 of 4 blocks could not be loaded; vLLM recomputes them", log)
 
 
