@@ -7,7 +7,8 @@ run and on the same bytes, a baseline that does no more than the hardware must:
     warm_to_hot   DeviceTier.load_from     vs memcpy the other way             (on CUDA: pinned host -> device)
     warm_to_cold  DiskTier.put_many, until its future resolves (durable commit)
                                            vs one sequential write of the same bytes to a file + fsync
-    cold_to_warm  DiskTier.read of every page (checksum and header verified)
+    cold_to_warm  DiskTier.read_many of every page in one batch (checksum and header verified,
+                  on up to `read_threads` threads)
                                            vs one sequential readinto of that file
 
 The buffers hold random bytes, and every copy is compared byte for byte afterwards; a mismatch
@@ -71,6 +72,28 @@ def drop_page_cache() -> None:
         raise KVStoreError(f"--drop-caches: cannot write /proc/sys/vm/drop_caches ({exc})") from None
 
 
+def drop_file_cache(path: str) -> None:
+    """Evict one file's clean pages from the OS page cache (any user; mapped pages stay)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def chained_headers(spec: KVSpec, namespace: Namespace, pages: int, seed: int = 0) -> list[RecordHeader]:
+    """Record headers of one sequence of `pages` pages over random tokens, like a real prefix."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 32000, size=pages * spec.page_size, dtype=np.int32)
+    keys = page_keys(namespace, tokens, spec.page_size)
+    parents = [namespace.digest] + keys[:-1]
+    return [RecordHeader(key, parent, namespace.digest,
+                         tokens_bytes(tokens[i * spec.page_size:(i + 1) * spec.page_size]),
+                         spec.fingerprint, spec.page_bytes)
+            for i, (key, parent) in enumerate(zip(keys, parents))]
+
+
 def write_file(path: str, data: memoryview) -> None:
     """One sequential write of `data` to a new file, then fsync."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -112,15 +135,7 @@ class TierBench:
 
         # cold records: chained keys over random tokens, like a real prefix
         self.namespace = Namespace.for_spec(f"bench/{model}", spec)
-        rng = np.random.default_rng(0)
-        tokens = rng.integers(0, 32000, size=pages * spec.page_size, dtype=np.int32)
-        keys = page_keys(self.namespace, tokens, spec.page_size)
-        parents = [self.namespace.digest] + keys[:-1]
-        self.headers = [
-            RecordHeader(key, parent, self.namespace.digest,
-                         tokens_bytes(tokens[i * spec.page_size:(i + 1) * spec.page_size]),
-                         spec.fingerprint, spec.page_bytes)
-            for i, (key, parent) in enumerate(zip(keys, parents))]
+        self.headers = chained_headers(spec, self.namespace, pages)
         self.record_bytes = sum(PREFIX_BYTES + len(h.pack()) + spec.page_bytes for h in self.headers)
         self.cold_path: str | None = None   # the store the reads use: the last one written
         self.raw_path: str | None = None
@@ -229,16 +244,16 @@ class TierBench:
             cold = self.open_cold(self.cold_path)
             try:
                 self.drop()
+                requests = [(h.key, ns, h.tokens, fingerprint, self.warm.raw[s])
+                            for h, s in zip(self.headers, self.slots)]
                 ok: list[bool] = []
-                tier.append(self.timed(lambda: ok.extend(
-                    cold.read(h.key, ns, h.tokens, fingerprint, self.warm.raw[s])
-                    for h, s in zip(self.headers, self.slots))))
+                tier.append(self.timed(lambda: ok.extend(cold.read_many(requests))))
             finally:
                 cold.close()
-            if not all(ok):
-                raise VerifyError(f"cold_to_warm: DiskTier.read refused {ok.count(False)} of {self.pages} pages "
-                                  "(missing or failed verification)")
-            self.verify("cold_to_warm", "DiskTier.read of the records warm_to_cold wrote")
+            if len(ok) != self.pages or not all(ok):
+                raise VerifyError(f"cold_to_warm: DiskTier.read_many refused {self.pages - sum(ok)} of {self.pages} "
+                                  "pages (missing or failed verification)")
+            self.verify("cold_to_warm", "DiskTier.read_many of the records warm_to_cold wrote")
         return tier, base
 
     def run(self) -> dict:

@@ -28,7 +28,8 @@ from kvstore import record
 from kvstore.errors import KVStoreError
 from kvstore.keys import KEY_BYTES
 from kvstore.record import RecordError
-from kvstore.tiers.disk import MiB, PAGES_DB, QUARANTINE_DB, data_file_size, open_env
+from kvstore.tiers.disk import (META_DB, MiB, PAGES_DB, QUARANTINE_DB, data_file_size, open_env, read_totals,
+                                write_totals)
 
 DEFAULT_DATA_DIR = "./kvstore-data"
 _SHOW_DAMAGED = 20  # damaged keys listed in the human report
@@ -115,11 +116,14 @@ def _check(env, path: str, spec_fingerprint: bytes | None, repair: bool) -> Fsck
         # pages freed by the deletes are reusable only after commit: room for the copies
         extra = 2 * sum(n for _, n in bad) + 16 * MiB
         env.set_mapsize(env.info()["map_size"] + extra)
-        quarantine = env.open_db(QUARANTINE_DB)
+        quarantine, meta = env.open_db(QUARANTINE_DB), env.open_db(META_DB)
         with env.begin(write=True) as txn:
             for key, _ in bad:
                 txn.put(key, txn.get(key, db=pages), db=quarantine)
                 txn.delete(key, db=pages)
+            totals = read_totals(txn, meta)   # the store's accounting: keep it exact
+            if totals is not None:
+                write_totals(txn, meta, totals[0] - sum(n for _, n in bad), totals[1] - len(bad))
         report.quarantined = len(bad)
     return report
 

@@ -11,9 +11,10 @@ is damaged: it is a miss, never served.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgpack
+import numpy as np
 import xxhash
 
 from kvstore.keys import chain_key
@@ -21,14 +22,17 @@ from kvstore.keys import chain_key
 MAGIC = b"KVP1"
 _PREFIX = struct.Struct("<4s16sI")  # magic, checksum, header length
 PREFIX_BYTES = _PREFIX.size
+_COPY_CHUNK = 256 * 1024   # copy_payload hashes what it copied in chunks that stay in L2 cache
 
 
 class RecordError(ValueError):
     """A record that cannot be trusted; the message says which check failed."""
 
 
-@dataclass(frozen=True)
-class RecordHeader:
+class RecordHeader(NamedTuple):
+    """What a record says about its page. A named tuple: immutable, and cheap to build
+    (a scan of the store builds one for every record)."""
+
     key: bytes
     parent: bytes
     namespace: bytes
@@ -41,7 +45,7 @@ class RecordHeader:
                               "s": self.spec, "b": self.nbytes})
 
     @classmethod
-    def unpack(cls, data: bytes) -> "RecordHeader":
+    def unpack(cls, data) -> "RecordHeader":
         try:
             m = msgpack.unpackb(data)
             return cls(m["k"], m["p"], m["n"], m["t"], m["s"], int(m["b"]))
@@ -50,7 +54,6 @@ class RecordHeader:
 
     def key_matches(self) -> bool:
         """The key must be the chain hash of (namespace, parent, tokens)."""
-        import numpy as np
         return chain_key(self.namespace, self.parent, np.frombuffer(self.tokens, dtype="<i4")) == self.key
 
 
@@ -79,10 +82,34 @@ def read_header(record) -> RecordHeader:
         raise RecordError("bad magic")
     if PREFIX_BYTES + hlen > len(mv):
         raise RecordError("header length past the end")
-    header = RecordHeader.unpack(bytes(mv[PREFIX_BYTES:PREFIX_BYTES + hlen]))
+    header = RecordHeader.unpack(mv[PREFIX_BYTES:PREFIX_BYTES + hlen])
     if PREFIX_BYTES + hlen + header.nbytes != len(mv):
         raise RecordError("payload length does not match the header")
     return header
+
+
+def copy_payload(record, header: RecordHeader, out: np.ndarray) -> None:
+    """Copy the payload of a record whose header `read_header` parsed into `out` (a flat
+    uint8 array of header.nbytes), verifying key derivation and checksum on the way.
+
+    One pass over memory: each chunk is hashed right after it is copied, while it is still
+    in cache, so the checksum covers exactly the bytes delivered. On a mismatch `out` is
+    zeroed before RecordError is raised: no byte of a damaged record is left in it.
+    """
+    if not header.key_matches():
+        raise RecordError("key is not the chain hash of its namespace, parent and tokens")
+    mv = memoryview(record)
+    _, checksum, _ = _PREFIX.unpack_from(mv)
+    start = len(mv) - header.nbytes
+    h = xxhash.xxh3_128(mv[PREFIX_BYTES - 4:start])
+    src = np.frombuffer(mv, dtype=np.uint8)[start:]
+    for a in range(0, header.nbytes, _COPY_CHUNK):
+        chunk = out[a:a + _COPY_CHUNK]
+        np.copyto(chunk, src[a:a + _COPY_CHUNK])
+        h.update(chunk)
+    if h.digest() != checksum:
+        out.fill(0)
+        raise RecordError("checksum mismatch")
 
 
 def decode(record) -> tuple[RecordHeader, memoryview]:

@@ -81,15 +81,15 @@ def _skip_put(self, items):
     return done
 
 
-def _skip_read(self, key, namespace, tokens, spec, out):
-    return True   # claims a hit, copies nothing
+def _skip_read(self, requests, threads=None):
+    return [True] * len(requests)   # claims hits, copies nothing
 
 
 @pytest.mark.parametrize("cls, name, fake, direction", [
     (DeviceTier, "save_to", _skip_save, "hot_to_warm"),
     (DeviceTier, "load_from", _skip_load, "warm_to_hot"),
     (DiskTier, "put_many", _skip_put, "warm_to_cold"),
-    (DiskTier, "read", _skip_read, "cold_to_warm"),
+    (DiskTier, "read_many", _skip_read, "cold_to_warm"),
 ])
 def test_a_copy_that_moves_nothing_fails_the_run(monkeypatch, capsys, tmp_path, cls, name, fake, direction):
     monkeypatch.setattr(cls, name, fake)

@@ -103,7 +103,9 @@ def test_flipped_byte_is_damage_and_repair_quarantines_it(store, capsys):
     finally:
         env.close()
     with DiskTier(str(path), SPEC, 64 * MiB, 256 * MiB) as tier:   # the store opens without it
+        assert tier.counted                                   # repair kept its totals exact: no recount
         assert bad not in tier and tier.num_pages == 11
+        assert tier.used_bytes == sum(tier.sizes().values())
 
 
 def test_record_under_another_key_is_damage(store):

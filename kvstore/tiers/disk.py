@@ -4,6 +4,16 @@ Rules:
 - It stores and deletes whole records under their page key, in the LMDB sub-database
   `pages` (`quarantine` holds what `kvstore fsck --repair` set aside). Values are
   kvstore.record records: header, checksum, page bytes. It never decides what to evict.
+- Its accounting (bytes and count of the records in `pages`) lives in the sub-database
+  `meta`, rewritten by every write transaction, so opening a store reads two numbers,
+  whatever its size. The size of a stored record is looked up in LMDB when a write needs
+  it; nothing keeps a list of all keys in memory (`sizes()` and `scan()` walk the store).
+- A store without `meta` (written before it existed), or whose record count disagrees
+  with LMDB's (records added or removed behind its back), has its totals counted once by
+  the writer thread before its first write (one pass over LMDB's leaf pages, not over the
+  records' bytes); `used_bytes`, `num_pages` and `put_many` wait for that count, so the
+  byte limit is never checked against a guess. Tools that change `pages` directly must
+  keep `meta` right, or delete its totals to have them counted again.
 - It never holds more than `max_bytes` of records: `put_many` refuses, before writing
   anything, a batch that would go above it (pending writes count). Making room is the
   caller's job.
@@ -12,14 +22,20 @@ Rules:
   committed durably (sync + metasync); up to `write_batch` queued requests share one
   transaction. A failed transaction fails its futures; nothing of it is visible.
   `put_many` checksums a payload at once but the writer copies it later: the payload
-  must stay alive and unchanged until its future resolves.
+  must stay alive and unchanged until its future resolves. During a large commit a helper
+  thread starts the kernel's writeback early (`early_writeback`), so the disk works while
+  LMDB still copies; durability and its order stay LMDB's.
 - The map grows on demand (doubling, up to `map_size_max`). Resizing needs every
   transaction of this process closed, so reads and scans hold a shared lock and the
   writer takes it exclusively to resize.
-- Reads (`read`, `read_many`, `scan`) are thread-safe and block: call them from worker
-  threads, never on an event loop. A read verifies the record (checksum, key derivation,
-  namespace, tokens, geometry) and returns False for anything missing or untrustworthy;
-  it never raises on bad data and never serves it.
+- Reads (`read`, `read_many`, `scan`, `sizes`, `in`) are thread-safe and block: call them
+  from worker threads, never on an event loop. A read verifies the record (key derivation,
+  namespace, tokens and geometry before it copies; the checksum over the bytes it copied,
+  chunk by chunk while they are in cache) and returns False for anything missing or
+  untrustworthy; it never raises on bad data and never serves it. After False the target
+  holds none of the record's bytes: it is untouched, or zeroed when the checksum failed.
+  `read_many` spreads a batch over up to `read_threads` threads (the caller's and a small
+  pool), each group in its own read transaction.
 - Any page may be missing: a write may not have happened yet, or fsck may have
   quarantined it. Only pages whose put future resolved survive a crash.
 - One DiskTier per store directory per process (LMDB forbids opening it twice).
@@ -31,11 +47,12 @@ from __future__ import annotations
 
 import os
 import queue
+import struct
 import threading
-import types
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, Sequence
+from itertools import islice
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import lmdb
 import numpy as np
@@ -45,17 +62,25 @@ from kvstore.errors import KVStoreError
 from kvstore.record import RecordError, RecordHeader
 from kvstore.spec import KVSpec
 from kvstore.tiers.base import Tier
-from kvstore.tiers.buffers import MiB, RemapLock, as_byte_array, as_byte_view, keep_write_buffers, round_up
+from kvstore.tiers.buffers import (MiB, RemapLock, as_byte_array, as_byte_view, early_writeback, keep_write_buffers,
+                                   round_up)
 
 PAGES_DB = b"pages"
 QUARANTINE_DB = b"quarantine"
-_SCAN_CHUNK = 1024  # records read per read transaction in scan()
+META_DB = b"meta"
+TOTALS_KEY = b"totals"          # in `meta`: bytes and count of the records in `pages`
+_TOTALS = struct.Struct("<QQ")  # u64 LE bytes, u64 LE records
+_SCAN_CHUNK = 4096              # records read per read transaction in scan() and sizes()
+_READ_GROUP_BYTES = 4 * MiB     # read_many gives a thread at least this many page bytes
+_EARLY_WRITEBACK_BYTES = 8 * MiB   # commits this large start the disk while they still copy
+
+K = TypeVar("K", bound=tuple)
 
 
 def open_env(path: str, map_size: int, readonly: bool = False) -> lmdb.Environment:
     """The LMDB environment of a cold store: durable commits, no writable map."""
     return lmdb.open(path, map_size=map_size, subdir=True, readonly=readonly, create=not readonly,
-                     max_dbs=2, sync=True, metasync=True, writemap=False, lock=True,
+                     max_dbs=3, sync=True, metasync=True, writemap=False, lock=True,
                      map_async=False, readahead=True)
 
 
@@ -64,6 +89,27 @@ def data_file_size(path: str) -> int:
         return os.path.getsize(os.path.join(path, "data.mdb"))
     except OSError:
         return 0
+
+
+def read_totals(txn: lmdb.Transaction, meta) -> tuple[int, int] | None:
+    """(bytes, records) of `pages` as `meta` records them; None when it does not."""
+    value = txn.get(TOTALS_KEY, db=meta)
+    if value is None or len(value) != _TOTALS.size:
+        return None
+    return _TOTALS.unpack(value)
+
+
+def write_totals(txn: lmdb.Transaction, meta, nbytes: int, records: int) -> None:
+    txn.put(TOTALS_KEY, _TOTALS.pack(nbytes, records), db=meta)
+
+
+def count_totals(txn: lmdb.Transaction, pages) -> tuple[int, int]:
+    """(bytes, records) of `pages`, counted: O(records), but reads only LMDB's leaf pages."""
+    nbytes = records = 0
+    for value in txn.cursor(db=pages).iternext(keys=False, values=True):
+        nbytes += len(value)
+        records += 1
+    return nbytes, records
 
 
 @dataclass
@@ -81,14 +127,19 @@ class DiskTier(Tier):
     name = "cold"
 
     def __init__(self, path: str, spec: KVSpec, max_bytes: int, map_size_max: int,
-                 write_batch: int = 64, map_size_initial: int = 64 * MiB):
+                 write_batch: int = 64, map_size_initial: int = 64 * MiB, read_threads: int = 0):
+        """`read_threads`: threads a `read_many` batch may use, the caller's included
+        (0: min(4, CPUs); 1: the caller's thread only)."""
         super().__init__(spec)
         if max_bytes <= 0:
             raise ValueError("max_bytes must be positive")
+        if read_threads < 0:
+            raise ValueError("read_threads must be 0 (auto) or positive")
         self.path = os.fspath(path)
         self.max_bytes = max_bytes
         self.map_size_max = round_up(map_size_max or 2 * max_bytes)
         self.write_batch = max(1, write_batch)
+        self.read_threads = read_threads or min(4, os.cpu_count() or 1)
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:
@@ -103,6 +154,10 @@ class DiskTier(Tier):
             self._env.reader_check()  # free reader slots left by a crashed process
             self._pages = self._env.open_db(PAGES_DB)
             self._quarantine = self._env.open_db(QUARANTINE_DB)
+            self._meta = self._env.open_db(META_DB)
+            with self._env.begin(buffers=True) as txn:
+                totals = read_totals(txn, self._meta)
+                records = txn.stat(self._pages)["entries"]
         except lmdb.Error as exc:
             self._env.close()
             raise KVStoreError(f"cannot open cold tier at {self.path}: {exc}") from None
@@ -116,15 +171,22 @@ class DiskTier(Tier):
         self.last_error = ""
         self._stats_lock = threading.Lock()
 
-        # accounting: committed sizes, plus bytes reserved by queued puts
+        # accounting: committed totals (as in `meta`), plus bytes reserved by queued puts
         self._lock = threading.Lock()
-        self._sizes: dict[bytes, int] = {}
         self._used = 0
+        self._count = 0
         self._reserved = 0
         self._closed = False
-        self._load_sizes()
+        self._counted = threading.Event()    # set once _used and _count are exact
+        self._count_error: BaseException | None = None
+        if totals is None and records == 0:   # a new store: nothing to count
+            totals = (0, 0)
+        if totals is not None and totals[1] == records:
+            self._used, self._count = totals
+            self._counted.set()
 
         self._remap = RemapLock()
+        self._pool: ThreadPoolExecutor | None = None   # read_many's helpers, started on first use
         self._scratch = bytearray(0)  # the writer thread's record buffer
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-cold-writer", daemon=True)
@@ -138,7 +200,8 @@ class DiskTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of records committed to `pages`."""
+        """Bytes of records committed to `pages` (waits for the first count of an old store)."""
+        self._wait_counted()
         return self._used
 
     @property
@@ -148,27 +211,57 @@ class DiskTier(Tier):
 
     @property
     def num_pages(self) -> int:
-        return len(self._sizes)
+        """Records committed to `pages` (waits for the first count of an old store)."""
+        self._wait_counted()
+        return self._count
 
     @property
-    def sizes(self) -> Mapping[bytes, int]:
-        """Live read-only view key -> record length of committed records.
+    def counted(self) -> bool:
+        """Whether the totals are known (always, except while an old store is first counted)."""
+        return self._counted.is_set()
 
-        The writer thread updates it after each commit; iterate over `dict(tier.sizes)`.
+    def _wait_counted(self) -> None:
+        self._counted.wait()
+        if self._count_error is not None:
+            raise KVStoreError(f"cold tier at {self.path}: counting its records failed: {self._count_error}")
+
+    def sizes(self) -> dict[bytes, int]:
+        """key -> record length of every committed record: O(records), read from LMDB now.
+
+        For audits, fsck-like checks and tests; it walks the whole store in short read
+        transactions (like `scan`), so writes committing meanwhile may or may not show.
         """
-        return types.MappingProxyType(self._sizes)
+        return dict(self._walk(lambda key, value: (bytes(key), len(value))))
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._sizes
+        """Whether a record is committed under `key` (one LMDB lookup; the record is not verified)."""
+        with self._remap.shared():
+            self._check_open()
+            with self._env.begin(db=self._pages, buffers=True) as txn:
+                return txn.get(key) is not None
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return self.num_pages
 
-    def _load_sizes(self) -> None:
-        with self._env.begin(db=self._pages, buffers=True) as txn:
-            for key, value in txn.cursor().iternext(keys=True, values=True):
-                self._sizes[bytes(key)] = len(value)
-        self._used = sum(self._sizes.values())
+    def _stored_sizes(self, keys: Iterable[bytes]) -> dict[bytes, int]:
+        """key -> length of its committed record (0 when none), for the keys given."""
+        with self._remap.shared():
+            self._check_open()
+            with self._env.begin(db=self._pages, buffers=True) as txn:
+                return {key: len(v) if (v := txn.get(key)) is not None else 0 for key in keys}
+
+    def _count_totals(self) -> None:
+        """Count `pages` and record the totals in `meta` (writer thread, before any write)."""
+        try:
+            with self._env.begin(write=True, buffers=True) as txn:
+                used, count = count_totals(txn, self._pages)
+                write_totals(txn, self._meta, used, count)
+        except BaseException as exc:  # reported by every accounting call
+            self._count_error = exc
+        else:
+            with self._lock:
+                self._used, self._count = used, count
+        self._counted.set()
 
     # --- writes -----------------------------------------------------------------
 
@@ -189,9 +282,12 @@ class DiskTier(Tier):
             parts = record.encode(header, view)
             puts.append((header.key, parts, sum(len(p) for p in parts)))
         req = _Request(puts=puts)
+        self._wait_counted()
+        # Overwrites reserve only what they add. A record deleted between this lookup and the
+        # commit frees its bytes at the same time, so the limit holds either way.
+        stored = self._stored_sizes({key for key, _, _ in puts})
         with self._lock:
             self._check_open()
-            stored = {key: self._sizes.get(key, 0) for key, _, _ in puts}
             req.reserved = max(0, sum(n for _, _, n in puts) - sum(stored.values()))
             if self._used + self._reserved + req.reserved > self.max_bytes:
                 raise KVStoreError(
@@ -204,6 +300,7 @@ class DiskTier(Tier):
     def delete_many(self, keys: Iterable[bytes]) -> Future:
         """Queue deletes (missing keys are ignored); the future resolves after commit."""
         req = _Request(deletes=[bytes(k) for k in keys])
+        self._wait_counted()
         with self._lock:
             self._check_open()
             self._queue.put(req)
@@ -222,6 +319,8 @@ class DiskTier(Tier):
             raise KVStoreError(f"cold tier at {self.path} is closed")
 
     def _write_loop(self) -> None:
+        if not self._counted.is_set():
+            self._count_totals()
         stop = False
         while not stop:
             first = self._queue.get()
@@ -273,23 +372,38 @@ class DiskTier(Tier):
         self._grow_map(batch_bytes, before=True)
         while True:
             try:
-                with self._env.begin(write=True, db=self._pages) as txn:
-                    for req in batch:
-                        for key, parts, length in req.puts:
-                            txn.put(key, self._assemble(parts, length))
-                        for key in req.deletes:
-                            txn.delete(key)
-                break  # committed on leaving the block
+                if batch_bytes >= _EARLY_WRITEBACK_BYTES:
+                    with early_writeback(os.path.join(self.path, "data.mdb")):
+                        used, count = self._write_txn(batch)
+                else:
+                    used, count = self._write_txn(batch)
+                break  # committed
             except lmdb.MapFullError:
                 self._grow_map()
         with self._lock:
+            self._used, self._count = used, count
             for req in batch:
-                for key, _, length in req.puts:
-                    self._used += length - self._sizes.get(key, 0)
-                    self._sizes[key] = length
-                for key in req.deletes:
-                    self._used -= self._sizes.pop(key, 0)
                 self._reserved -= req.reserved
+
+    def _write_txn(self, batch: list[_Request]) -> tuple[int, int]:
+        """One write transaction of the batch, totals in `meta` included; the new totals."""
+        used, count = self._used, self._count   # only this thread changes them
+        with self._env.begin(write=True, buffers=True) as txn:
+            pages = self._pages
+            for req in batch:
+                for key, parts, length in req.puts:
+                    old = txn.get(key, db=pages)   # a view into the map; only its length is used
+                    used += length - (len(old) if old is not None else 0)
+                    count += old is None
+                    txn.put(key, self._assemble(parts, length), db=pages)
+                for key in req.deletes:
+                    old = txn.get(key, db=pages)
+                    if old is not None:
+                        used -= len(old)
+                        count -= 1
+                        txn.delete(key, db=pages)
+            write_totals(txn, self._meta, used, count)
+        return used, count
 
     def _assemble(self, parts: list, length: int) -> memoryview:
         """The record in the writer's scratch buffer: one copy, into memory that stays hot.
@@ -333,11 +447,20 @@ class DiskTier(Tier):
 
     def read(self, key: bytes, expect_namespace: bytes, expect_tokens: bytes, expect_spec: bytes,
              out) -> bool:
-        """Copy the verified page `key` into `out` (spec.page_bytes bytes); False on any miss."""
+        """Copy the verified page `key` into `out` (spec.page_bytes bytes); False on any miss
+        (then `out` is untouched, or zeroed if the checksum failed)."""
         return self.read_many([(key, expect_namespace, expect_tokens, expect_spec, out)])[0]
 
-    def read_many(self, requests: Sequence[tuple[bytes, bytes, bytes, bytes, object]]) -> list[bool]:
-        """Several reads (key, namespace, tokens, spec fingerprint, out) in one read transaction."""
+    def read_many(self, requests: Sequence[tuple[bytes, bytes, bytes, bytes, object]],
+                  threads: int | None = None) -> list[bool]:
+        """Several reads (key, namespace, tokens, spec fingerprint, out); True for each page copied.
+
+        The batch is cut into contiguous groups of at least 4 MiB of pages, one per thread,
+        up to `threads` (default `read_threads`): the caller reads the first group, pool
+        threads the others, each group in one read transaction. Hashing and copying release
+        the GIL, so the groups run in parallel. A False leaves its target untouched, or
+        zeroed when the checksum of what was copied failed.
+        """
         page_bytes = self.spec.page_bytes
         targets = []
         for req in requests:
@@ -345,6 +468,28 @@ class DiskTier(Tier):
             if arr.nbytes != page_bytes:
                 raise ValueError(f"read target is {arr.nbytes} bytes, a page is {page_bytes}")
             targets.append(arr)
+        per_group = max(1, -(-_READ_GROUP_BYTES // page_bytes))
+        groups = min(threads or self.read_threads, -(-len(requests) // per_group))
+        if groups <= 1:
+            return self._read_group(requests, targets)
+        bounds = [len(requests) * g // groups for g in range(groups + 1)]
+        futures = [self._read_pool().submit(self._read_group, requests[a:b], targets[a:b])
+                   for a, b in zip(bounds[1:-1], bounds[2:])]
+        try:
+            first = self._read_group(requests[:bounds[1]], targets[:bounds[1]])
+        finally:
+            rest = [f.result() for f in futures]   # never leave a helper writing into a target
+        return first + [ok for group in rest for ok in group]
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            self._check_open()
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=max(1, self.read_threads - 1),
+                                                thread_name_prefix="kvstore-cold-read")
+            return self._pool
+
+    def _read_group(self, requests, targets: list[np.ndarray]) -> list[bool]:
         with self._remap.shared():
             self._check_open()
             with self._env.begin(db=self._pages, buffers=True) as txn:
@@ -357,7 +502,7 @@ class DiskTier(Tier):
                 self.missing += 1
             return False
         try:
-            header, payload = record.decode(value)
+            header = record.read_header(value)
             if header.key != key:
                 raise RecordError("record is stored under another key")
             if header.namespace != expect_namespace:
@@ -366,53 +511,53 @@ class DiskTier(Tier):
                 raise RecordError("tokens differ")
             if header.spec != expect_spec or header.nbytes != self.spec.page_bytes:
                 raise RecordError("page geometry differs")
+            record.copy_payload(value, header, out)   # key derivation; checksum of what it copied
         except RecordError as exc:
             with self._stats_lock:
                 self.corrupt += 1
                 self.last_error = f"{bytes(key).hex()}: {exc}"
             return False
-        np.copyto(out, np.frombuffer(payload, dtype=np.uint8))
         return True
 
     def scan(self) -> Iterator[tuple[bytes, RecordHeader | None, int]]:
         """Every record in `pages` as (key, header or None when it does not parse, length).
 
-        Reads headers only (no checksum). Runs in short read transactions, so writes and
-        map growth may proceed between chunks.
+        Reads headers only (no checksum). Runs in short read transactions of a few thousand
+        records, so writes and map growth may proceed between chunks.
         """
+        return self._walk(_scan_item)
+
+    def _walk(self, item: Callable[[memoryview, memoryview], K]) -> Iterator[K]:
+        """item(key, value) of every record in key order, read in chunks of short read
+        transactions; each item is a tuple that starts with the key (as bytes)."""
         last: bytes | None = None
         while True:
-            chunk = []
             with self._remap.shared():
                 self._check_open()
                 with self._env.begin(db=self._pages, buffers=True) as txn:
                     cursor = txn.cursor()
-                    more = cursor.first() if last is None else cursor.set_range(last)
-                    if more and last is not None and bytes(cursor.key()) == last:
-                        more = cursor.next()
-                    while more and len(chunk) < _SCAN_CHUNK:
-                        value = cursor.value()
-                        try:
-                            header = record.read_header(value)
-                        except RecordError:
-                            header = None
-                        chunk.append((bytes(cursor.key()), header, len(value)))
-                        more = cursor.next()
+                    found = cursor.first() if last is None else cursor.set_range(last)
+                    if found and last is not None and cursor.key() == last:
+                        found = cursor.next()
+                    chunk = [item(k, v) for k, v in islice(cursor.iternext(), _SCAN_CHUNK)] if found else []
             yield from chunk
-            if not more:
+            if len(chunk) < _SCAN_CHUNK:
                 return
             last = chunk[-1][0]
 
     # --- lifetime ---------------------------------------------------------------
 
     def close(self) -> None:
-        """Commit everything queued, stop the writer thread and close LMDB. Idempotent."""
+        """Commit everything queued, stop the writer and read threads and close LMDB. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._queue.put(_STOP)
+            pool = self._pool
         self._writer.join()
+        if pool is not None:
+            pool.shutdown(wait=True)
         with self._remap.exclusive():
             self._env.close()
 
@@ -423,5 +568,13 @@ class DiskTier(Tier):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"DiskTier({self.path!r}, {self.num_pages} pages, {self._used}/{self.max_bytes} bytes, "
+        return (f"DiskTier({self.path!r}, {self._count} pages, {self._used}/{self.max_bytes} bytes, "
                 f"map {self.map_size}/{self.map_size_max})")
+
+
+def _scan_item(key: memoryview, value: memoryview) -> tuple[bytes, RecordHeader | None, int]:
+    try:
+        header = record.read_header(value)
+    except RecordError:
+        header = None
+    return bytes(key), header, len(value)

@@ -20,7 +20,8 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, page_keys, tokens_bytes
 from kvstore.record import RecordHeader
 from kvstore.spec import KVSpec
-from kvstore.tiers.disk import PAGES_DB, DiskTier
+from kvstore.tiers.buffers import _sync_file_range, early_writeback
+from kvstore.tiers.disk import META_DB, PAGES_DB, DiskTier, read_totals
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = KVSpec(2, 2, 16, "float32", 16)  # 8 KiB pages
@@ -85,7 +86,7 @@ def test_put_read_round_trip_is_byte_identical(tmp_path):
         items[2] = (items[2][0], items[2][1].numpy().tobytes())    # bytes payload
         assert tier.put_many(items).result(timeout=10) is None
         assert tier.num_pages == 8 and all(k in tier for k in pages.keys)
-        assert tier.used_bytes == sum(pages.record_len(i) for i in range(8)) == sum(tier.sizes.values())
+        assert tier.used_bytes == sum(pages.record_len(i) for i in range(8)) == sum(tier.sizes().values())
         for i in range(8):
             ok, out = pages.read(tier, i)
             assert ok and torch.equal(out, pages.payloads[i])
@@ -118,8 +119,9 @@ spec = KVSpec(2, 2, 16, "float32", 16)
 out = np.empty(spec.page_bytes, np.uint8)
 found = {}
 with DiskTier(sys.argv[1], spec, max_bytes=64 << 20, map_size_max=256 << 20) as tier:
+    sizes = tier.sizes()
     for key, header, length in tier.scan():
-        assert header is not None and header.key == key and tier.sizes[key] == length
+        assert header is not None and header.key == key and sizes[key] == length
         ok = tier.read(key, header.namespace, header.tokens, spec.fingerprint, out)
         found[key.hex()] = hashlib.sha256(out).hexdigest() if ok else None
 print(json.dumps(found))
@@ -160,7 +162,7 @@ def test_byte_limit_refuses_before_writing(tmp_path):
         tier.put_many(pages.items(slice(4, 5))).result(timeout=10)
         assert tier.used_bytes == 4 * size
     with open_tier(path) as tier:
-        assert set(tier.sizes) == set(pages.keys[1:5])
+        assert set(tier.sizes()) == set(pages.keys[1:5])
 
 
 def test_map_grows_from_a_tiny_start(tmp_path):
@@ -212,7 +214,7 @@ def test_one_failing_request_does_not_sink_its_batch(tmp_path):
             big.result(timeout=30)
         for f in small:
             assert f.result(timeout=30) is None
-        assert set(tier.sizes) == set(pages.keys[390:400])
+        assert set(tier.sizes()) == set(pages.keys[390:400])
 
 
 def test_damaged_records_read_as_misses(tmp_path):
@@ -233,7 +235,9 @@ def test_damaged_records_read_as_misses(tmp_path):
             sentinel = torch.full((SPEC.page_bytes,), 7, dtype=torch.uint8)
             ok, out = pages.read(tier, i, sentinel)
             assert not ok
-            assert torch.all(out == 7)                     # nothing copied from a damaged record
+            # nothing of a damaged record is left in the target: damage found while copying
+            # (the checksum) zeroes it, damage found before (header, key) leaves it untouched
+            assert torch.all(out == (0 if i < 2 else 7))
             assert tier.corrupt == i + 1
             assert pages.keys[i].hex() in tier.last_error
         assert "checksum" in tier.last_error or "another key" in tier.last_error
@@ -369,3 +373,140 @@ def test_concurrent_reads_while_writes_grow_the_map(tmp_path):
         for i in (0, 400, 799):
             ok, out = more.read(tier, i)
             assert ok and torch.equal(out, more.payloads[i])
+
+
+def raw_totals(path) -> tuple[int, int] | None:
+    """The totals in `meta`, read with plain LMDB; None when the store has no `meta`."""
+    env = lmdb.open(str(path), max_dbs=3, readonly=True)
+    try:
+        with env.begin() as txn:
+            try:
+                meta = env.open_db(META_DB, txn=txn, create=False)
+            except lmdb.NotFoundError:
+                return None
+            return read_totals(txn, meta)
+    finally:
+        env.close()
+
+
+def test_totals_are_kept_in_meta_and_read_at_open(tmp_path):
+    pages = Pages(10)
+    path = tmp_path / "cold"
+    with open_tier(path) as tier:
+        tier.put_many(pages.items()).result(timeout=10)
+        tier.put_many(pages.items(slice(2, 4))).result(timeout=10)         # overwrites add nothing
+        tier.delete_many([pages.keys[0], pages.keys[0], b"\1" * 32]).result(timeout=10)
+        expected = (sum(pages.record_len(i) for i in range(1, 10)), 9)
+        assert (tier.used_bytes, tier.num_pages) == expected
+    assert raw_totals(path) == expected
+    with open_tier(path) as tier:
+        assert tier.counted                                  # read from meta, nothing counted
+        assert (tier.used_bytes, tier.num_pages, len(tier)) == (*expected, 9)
+        assert tier.sizes() == {pages.keys[i]: pages.record_len(i) for i in range(1, 10)}
+        assert pages.keys[1] in tier and pages.keys[0] not in tier
+
+
+def test_store_without_meta_is_counted_once(tmp_path):
+    pages = Pages(8)
+    size = pages.record_len(0)
+    path = tmp_path / "cold"
+    with open_tier(path) as tier:
+        tier.put_many(pages.items(slice(0, 6))).result(timeout=10)
+
+    env = lmdb.open(str(path), max_dbs=3, map_size=256 * MiB)   # as a store written before `meta`
+    try:
+        with env.begin(write=True) as txn:
+            txn.drop(env.open_db(META_DB, txn=txn), delete=True)
+    finally:
+        env.close()
+    assert raw_totals(path) is None
+
+    with open_tier(path, max_bytes=7 * size + size // 2) as tier:
+        assert (tier.used_bytes, tier.num_pages) == (6 * size, 6)   # waits for the count
+        tier.put_many(pages.items(slice(6, 7))).result(timeout=10)
+        with pytest.raises(KVStoreError, match="max_bytes"):          # the limit holds after the count
+            tier.put_many(pages.items(slice(7, 8)))
+    assert raw_totals(path) == (7 * size, 7)
+    with open_tier(path) as tier:
+        assert tier.counted and tier.used_bytes == 7 * size
+
+
+def test_records_added_behind_its_back_are_counted_again(tmp_path):
+    pages = Pages(5)
+    path = tmp_path / "cold"
+    with open_tier(path) as tier:
+        tier.put_many(pages.items(slice(0, 4))).result(timeout=10)
+    raw_update(path, lambda txn, db: txn.put(pages.keys[4], record.encode_bytes(pages.headers[4],
+                                                                              pages.payloads[4].numpy())))
+    with open_tier(path) as tier:
+        assert tier.num_pages == 5 and tier.used_bytes == sum(pages.record_len(i) for i in range(5))
+        assert pages.read(tier, 4)[0]
+
+
+BIG = KVSpec(4, 8, 64, "float32", 16)   # 256 KiB pages: read_many splits 64 of them into 4 groups
+BIG_NS = Namespace.for_spec("big", BIG)
+
+
+def test_parallel_read_many_matches_and_refuses_damage(tmp_path):
+    pages = Pages(64, seed=8, spec=BIG, ns=BIG_NS)
+    path = tmp_path / "cold"
+    with DiskTier(str(path), BIG, 64 * MiB, 256 * MiB, read_threads=4) as tier:
+        tier.put_many(pages.items()).result(timeout=30)
+    damaged = {3, 17, 40, 63}                            # one in each group
+    raw_update(path, lambda txn, db: [flip(txn, pages.keys[i], -5) for i in damaged])
+    with DiskTier(str(path), BIG, 64 * MiB, 256 * MiB, read_threads=4) as tier:
+        outs = [torch.full((BIG.page_bytes,), 7, dtype=torch.uint8) for _ in range(64)]
+        reqs = [(h.key, BIG_NS.digest, h.tokens, BIG.fingerprint, out) for h, out in zip(pages.headers, outs)]
+        for threads in (None, 1, 3):
+            ok = tier.read_many(reqs, threads=threads)
+            assert ok == [i not in damaged for i in range(64)]
+            for i in range(64):   # a payload byte flipped: found while copying, the target zeroed
+                assert torch.equal(outs[i], pages.payloads[i]) if ok[i] else not outs[i].any()
+                outs[i].fill_(7)
+        assert tier.corrupt == 3 * len(damaged)
+        assert tier._pool is not None                    # the batch did use the pool
+
+
+def test_parallel_reads_while_writes_grow_the_map(tmp_path):
+    first, more = Pages(32, seed=9, spec=BIG, ns=BIG_NS), Pages(96, seed=10, spec=BIG, ns=BIG_NS)
+    with DiskTier(str(tmp_path / "cold"), BIG, 256 * MiB, 512 * MiB, map_size_initial=8 * MiB,
+                  read_threads=4) as tier:
+        tier.put_many(first.items()).result(timeout=30)
+        outs = [torch.empty(BIG.page_bytes, dtype=torch.uint8) for _ in range(32)]
+        reqs = [(h.key, BIG_NS.digest, h.tokens, BIG.fingerprint, out) for h, out in zip(first.headers, outs)]
+        errors: list[BaseException] = []
+        stop = threading.Event()
+        rounds = [0]
+
+        def reader() -> None:
+            try:
+                while not stop.is_set():
+                    assert all(tier.read_many(reqs)), tier.last_error
+                    rounds[0] += 1
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        try:
+            for i in range(0, 96, 8):
+                tier.put_many(more.items(slice(i, i + 8))).result(timeout=60)
+        finally:
+            stop.set()
+            thread.join(timeout=60)
+        assert not errors, errors[0]
+        assert rounds[0] > 0 and tier.map_grows >= 2 and tier.num_pages == 128
+        assert all(torch.equal(o, p) for o, p in zip(outs, first.payloads))
+
+
+@pytest.mark.skipif(_sync_file_range() is None, reason="needs sync_file_range (Linux)")
+def test_early_writeback_stops_with_its_block(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    with early_writeback(str(path), interval=0.001):
+        with open(path, "ab") as f:
+            f.write(os.urandom(1 << 20))
+        assert any(t.name == "kvstore-cold-writeback" for t in threading.enumerate())
+    assert not any(t.name == "kvstore-cold-writeback" for t in threading.enumerate())
+    with early_writeback(str(tmp_path / "missing")):   # nothing to write back: a no-op
+        pass
