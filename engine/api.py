@@ -30,6 +30,7 @@ from typing import AsyncIterator, Callable
 from aiohttp import web
 
 from engine import AsyncLLM, InvalidRequest, QueueFull, RequestOutput, SamplingParams
+from engine.request import StepFailed
 
 log = logging.getLogger(__name__)
 
@@ -385,9 +386,10 @@ async def _stream(request: web.Request, job: Job, chat: bool, head: dict, output
     except Exception as exc:
         if resp is None:
             raise
-        _log_failure(request, exc)
-        await _send(resp, {"error": {"message": "internal server error", "type": "server_error",
-                                     "param": None, "code": None}})
+        if not isinstance(exc, StepFailed):
+            _log_failure(request, exc)
+        message = str(exc) if isinstance(exc, StepFailed) else "internal server error"
+        await _send(resp, {"error": {"message": message, "type": "server_error", "param": None, "code": None}})
     return resp
 
 
@@ -445,6 +447,9 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
         return exc.response()
     except InvalidRequest as exc:
         return ApiError(400, str(exc)).response()
+    except StepFailed as exc:   # logged by the engine, with its traceback
+        return ApiError(500, f"{exc} (this request was failed; the server goes on)", type="server_error",
+                        code="engine_step_failed").response()
     except QueueFull as exc:
         retry = max(1, math.ceil(exc.retry_after_s))
         return ApiError(429, str(exc), type="rate_limit_error", code="queue_full",

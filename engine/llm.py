@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import threading
 import time
 from typing import AsyncIterator, Awaitable, Callable, Sequence
@@ -21,7 +22,7 @@ import torch
 
 from engine.attention import create_backend
 from engine.loader import load_model
-from engine.request import QueueFull, Request, RequestOutput, Status
+from engine.request import QueueFull, Request, RequestOutput, Status, StepFailed
 from engine.runner import ModelRunner
 from engine.sampler import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler
@@ -30,6 +31,7 @@ from kvstore.store import TieredStore
 from kvstore.tiers.device import resolve_device
 
 _ids = itertools.count()
+log = logging.getLogger("kvstore.engine")
 _ENGINE_KEYS = {f.split(".", 1)[1] for f in key_paths() if f.startswith("engine.")}
 
 
@@ -65,6 +67,8 @@ class LLM:
         self.scheduler.can_spill = self.backend.supports_spill and self.store.warm.num_slots > 0
         self.inbox: collections.deque[Request] = collections.deque()
         self.aborted: collections.deque[str] = collections.deque()   # request ids, from any thread
+        self.fault: Callable[[list[tuple[Request, int]]], None] | None = None   # test hook: raise to fail a step
+        self.failed_steps = 0
 
     # requests
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, tenant: str = "",
@@ -88,7 +92,7 @@ class LLM:
 
     def submit(self, req: Request) -> None:
         """Queue a request (thread-safe); QueueFull past scheduler.max_queue_depth."""
-        depth = len(self.scheduler.waiting) + len(self.inbox)
+        depth = len(self.scheduler.waiting) + len(self.scheduler.loading) + len(self.inbox)
         if depth >= self.config.scheduler.max_queue_depth:
             raise QueueFull(depth)
         self.inbox.append(req)
@@ -98,21 +102,45 @@ class LLM:
 
     # the loop
     def step(self) -> list[Request]:
-        """One engine step; returns the requests that advanced (got a token or finished)."""
+        """One engine step; returns the requests that advanced (got a token or finished).
+
+        An exception inside the step fails only the requests of that step (finish_reason "error",
+        their pages released); it is logged once with its traceback and the engine goes on."""
         while self.inbox:
             self.scheduler.waiting.append(self.inbox.popleft())
         changed = self._abort()
-        batch = self.scheduler.schedule()
+        batch: list[tuple[Request, int]] = []
+        try:
+            batch = self.scheduler.schedule()
+            changed += self._run(batch)
+            if self.config.engine.check_invariants:
+                problems = self.scheduler.check()
+                if problems:
+                    raise RuntimeError("engine invariants broken: " + "; ".join(problems[:5]))
+        except Exception as exc:  # noqa: BLE001 - one step's failure must not stop the engine
+            changed += self._fail_step(batch, exc)
+        return changed
+
+    def _run(self, batch: list[tuple[Request, int]]) -> list[Request]:
+        changed = []
         for req in self.scheduler.stalled:
-            self._finish(req, "length")
-            changed.append(req)
+            if req.status is not Status.FINISHED:
+                self._finish(req, "length")
+                changed.append(req)
         self.scheduler.stalled.clear()
         if not batch:
-            if self.scheduler.waiting and not self.scheduler.running:
-                req = self.scheduler.waiting.pop(0)   # cannot fit even alone (pinned pages, quota)
-                req.finish_reason, req.finished_at, req.status = "abort", time.monotonic(), Status.FINISHED
+            if self.scheduler.loading:
+                self.scheduler.wait_for_loads(0.005)   # nothing to compute until a load lands
+            elif self.scheduler.waiting and not self.scheduler.running and self.scheduler.stuck(
+                    self.scheduler.waiting[0]):   # cannot fit even alone (pinned pages, quota)
+                req = self.scheduler.waiting[0]
+                self._finish(req, "abort")
                 changed.append(req)
+            elif self.scheduler.has_work():
+                time.sleep(0.002)   # nothing can run until the background frees pages
             return changed
+        if self.fault is not None:
+            self.fault(batch)
         for req in self.runner.execute(batch):
             self._check_stop(req)
             changed.append(req)
@@ -120,6 +148,28 @@ class LLM:
             if req.status is Status.RUNNING:
                 self.scheduler.commit(req)
         return changed
+
+    def _fail_step(self, batch: list[tuple[Request, int]], exc: Exception) -> list[Request]:
+        """Fail the step's requests (all running ones when scheduling itself failed)."""
+        self.failed_steps += 1
+        victims = [r for r, _ in batch] or list(self.scheduler.running)
+        log.error("engine step %d failed; failing its %d requests", self.scheduler.step_no, len(victims),
+                  exc_info=exc)
+        failed = []
+        for req in victims:
+            if req.status is Status.FINISHED:
+                continue
+            req.error = f"internal error in the engine step: {type(exc).__name__}: {exc}"
+            try:
+                self._finish(req, "error")
+            except Exception:  # noqa: BLE001 - its pages may be inconsistent; still take it out of the queues
+                log.exception("releasing the pages of failed request %s failed", req.id)
+                for queue in (self.scheduler.running, self.scheduler.waiting, self.scheduler.loading):
+                    if req in queue:
+                        queue.remove(req)
+                req.status, req.finish_reason, req.finished_at = Status.FINISHED, "error", time.monotonic()
+            failed.append(req)
+        return failed
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step (thread-safe); its pages are released."""
@@ -130,11 +180,9 @@ class LLM:
         while self.aborted:
             ids.add(self.aborted.popleft())
         done = []
-        for req in [r for r in self.scheduler.waiting if r.id in ids]:
-            self.scheduler.waiting.remove(req)
-            req.finish_reason, req.finished_at, req.status = "abort", time.monotonic(), Status.FINISHED
-            done.append(req)
-        for req in [r for r in self.scheduler.running if r.id in ids]:
+        if not ids:
+            return done
+        for req in [r for r in self.scheduler.waiting + self.scheduler.loading + self.scheduler.running if r.id in ids]:
             self._finish(req, "abort")
             done.append(req)
         return done
@@ -173,7 +221,8 @@ class LLM:
 
     def stats(self) -> dict:
         return {"computed_tokens": self.runner.computed_tokens, "preemptions": self.scheduler.preemptions,
-                "waiting": len(self.scheduler.waiting) + len(self.inbox), "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting) + len(self.inbox), "loading": len(self.scheduler.loading),
+                "running": len(self.scheduler.running), "failed_steps": self.failed_steps,
                 "spilled_pages": self.scheduler.spilled_pages}
 
     def close(self) -> None:
@@ -236,7 +285,10 @@ class AsyncLLM:
                 if entry:
                     entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
                 if out.finish_reason is not None and self.on_finish is not None:
-                    self.on_finish(out)
+                    try:
+                        self.on_finish(out)
+                    except Exception:  # noqa: BLE001 - a hook's failure must not stop the engine
+                        log.exception("on_finish hook failed")
 
     async def generate(self, prompt, params: SamplingParams, tenant: str = "", request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -255,6 +307,8 @@ class AsyncLLM:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise RuntimeError("the engine stopped after an internal error") from item
+                if item.finish_reason == "error":
+                    raise StepFailed(item.error or "internal error in the engine step")
                 yield item
                 if item.finish_reason is not None:
                     return

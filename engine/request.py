@@ -10,6 +10,7 @@ import torch
 
 from engine.sampler import SamplingParams
 from kvstore.errors import KVStoreError
+from kvstore.handle import CacheHandle
 from kvstore.keys import Namespace
 
 
@@ -22,8 +23,13 @@ class QueueFull(KVStoreError):
                          f"retry in {retry_after_s:g} s")
 
 
+class StepFailed(Exception):
+    """The engine step that ran this request failed (HTTP 500); the engine goes on with the others."""
+
+
 class Status(Enum):
     WAITING = "waiting"
+    LOADING = "loading"   # its cached prefix is coming up from cold
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -40,6 +46,7 @@ class RequestOutput:
     latency_s: float | None
     cached_tokens: dict[str, int]
     prefill_tokens: int
+    error: str | None = None               # set when finish_reason is "error": what went wrong
 
 
 @dataclass(eq=False)
@@ -53,10 +60,8 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     tokens: list[int] = field(default_factory=list)   # prompt + generated
-    spilled: list[int] = field(default_factory=list)  # warm slots (leased) of the oldest pages
-    slots: list[int] = field(default_factory=list)    # hot slots of the pages after those
-    num_computed: int = 0                  # tokens whose K/V are in the slots
-    committed: int = 0                     # full pages given keys
+    handle: CacheHandle | None = None      # its pages in the store, from its first admission on
+    num_computed: int = 0                  # tokens whose K/V are in its pages
     cached_tokens: dict[str, int] = field(default_factory=lambda: {"hot": 0, "warm": 0, "cold": 0, "peer": 0})
     peer_pages: range = range(0)           # pages fetched from a peer instance for this request
     prefill_tokens: int = 0                # prompt tokens computed (not served from the cache)
@@ -68,6 +73,11 @@ class Request:
     logprobs: list[dict] | None = None
     generator: torch.Generator | None = None
     preemptions: int = 0
+    preempted_step: int = -1               # the scheduler step that last preempted it
+    load_tried: bool = False               # a load of its cached prefix was started (or not needed)
+    load_deadline: float = 0.0             # monotonic; LOADING gives up then (prefetch.policy timeout)
+    stuck_since: float | None = None       # monotonic; when it last failed to get a page, alone
+    error: str | None = None
 
     def __post_init__(self):
         if not self.tokens:
@@ -94,4 +104,4 @@ class Request:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             ttft_s=self.first_token_at - self.arrival if self.first_token_at else None,
             latency_s=done - self.arrival if done else None,
-            cached_tokens=dict(self.cached_tokens), prefill_tokens=self.prefill_tokens)
+            cached_tokens=dict(self.cached_tokens), prefill_tokens=self.prefill_tokens, error=self.error)

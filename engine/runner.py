@@ -43,9 +43,9 @@ class ModelRunner:
                 rows.append(indptr[-1] - 1)
                 sampled.append(req)
         shape = self.model.shape
-        attn = AttentionBatch(indptr, [r.slots for r, _ in batch], [r.num_computed + n for r, n in batch],
+        attn = AttentionBatch(indptr, [r.handle.slots for r, _ in batch], [r.num_computed + n for r, n in batch],
                               self.hot.spec.page_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                              self.device, warm_tables=[r.spilled for r, _ in batch])
+                              self.device, warm_tables=[r.handle.spilled for r, _ in batch])
         logits = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
                             attn, self.hot.layers, self.backend,
                             logit_rows=torch.tensor(rows, dtype=torch.long, device=self.device),

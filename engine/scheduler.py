@@ -1,205 +1,295 @@
 """Scheduler: continuous batching with chunked prefill, admission by hot-tier page budget.
 
-Each step: running decodes first (one token each, up to decode_concurrency), then prefill
-chunks of running requests, then new requests admitted while the token budget
-(max_batch_tokens), prefill_concurrency, the hot-tier page budget and the tenant's quota allow.
-A request is admitted with its cached prefix acquired (promoted from warm/cold if needed), so
-only the uncached suffix is computed. A request alone that outgrows the hot tier spills its
-oldest committed pages to warm (leased there; the torch backend reads them from warm) instead
-of failing. When a running request cannot get a page, the
-lowest-priority, latest request is preempted: its full pages are committed, its hold released
-(the pages stay cached and are demoted as needed), and it is requeued at the front, to resume
-from its cached pages instead of from scratch. Under `preemptive`, a waiting request may also
-preempt running ones of lower priority to be admitted.
+A request moves WAITING -> (LOADING ->) RUNNING -> FINISHED; preemption sends it back to WAITING.
+Each step:
+1. requests whose load is done (or, under prefetch.policy `timeout`, took too long) go back to
+   waiting;
+2. running decodes (one token each, up to decode_concurrency), then prefill chunks of running
+   requests;
+3. waiting requests, in order, while the token budget, prefill_concurrency, the hot budget and
+   the tenant's quota allow. A request whose cached prefix is partly in cold starts a load (the
+   store's I/O threads bring it to warm) and waits in LOADING under `wait` and `timeout`, while
+   the running requests keep stepping; under `best_effort` it runs at once and recomputes what
+   is not in memory. Only the uncached suffix is computed.
+
+Rules: a step's batch holds a request at most once; a request preempted in a step is not
+scheduled again in that step; a request finishes once. When a running request cannot get a
+page, the lowest-priority, latest running request (possibly itself) is preempted: its full
+pages are committed, its handle released (the pages stay cached) and it is requeued, to resume
+from its cached pages. A request alone that outgrows the hot tier spills its oldest committed
+pages to warm (torch backend) instead of failing. Under `preemptive`, a waiting request may
+preempt running ones of lower priority.
+
+The scheduler deals in token budgets and cache handles (kvstore.handle.CacheHandle): it never
+reads a tier's internals or computes a page key.
 """
 
 from __future__ import annotations
 
+import time
+
 from kvstore.config import Config
 from kvstore.errors import OutOfCapacity
-from kvstore.keys import page_keys
 from kvstore.store import TieredStore
 
 from engine.request import QueueFull, Request, Status
+
+LOADING = -1   # _admit's answer for a request that now waits for its load
+STUCK_LIMIT_S = 5.0   # a request alone that gets no page for this long has outgrown the tiers
 
 
 class Scheduler:
     def __init__(self, store: TieredStore, config: Config):
         self.store = store
-        self.engine_cfg, self.cfg = config.engine, config.scheduler
+        self.engine_cfg, self.cfg, self.prefetch = config.engine, config.scheduler, config.prefetch
         self.page_size = store.spec.page_size
         self.waiting: list[Request] = []
+        self.loading: list[Request] = []
         self.running: list[Request] = []
-        self.preemptions = 0
         self.stalled: list[Request] = []   # running requests that cannot get another page
         self.can_spill = False             # set by the engine when its attention backend reads warm pages
+        self.preemptions = 0
         self.spilled_pages = 0
+        self.step_no = 0
+        self._batch: dict[Request, int] = {}
+        self._budget = 0
 
     def add(self, req: Request) -> None:
-        if len(self.waiting) >= self.cfg.max_queue_depth:
-            raise QueueFull(len(self.waiting))
+        if len(self.waiting) + len(self.loading) >= self.cfg.max_queue_depth:
+            raise QueueFull(len(self.waiting) + len(self.loading))
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.loading or self.running)
 
     def _order(self, req: Request) -> tuple:
         return (-req.priority, req.arrival) if self.cfg.policy != "fcfs" else (req.arrival,)
 
-    def _quota(self, tenant: str) -> int:
-        return self.cfg.tenant_quotas.get(tenant, self.cfg.tenant_quota_pages)
-
-    def _pages_needed(self, req: Request, n: int) -> int:
-        return -(-(req.num_computed + n) // self.page_size) - len(req.spilled) - len(req.slots)
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens of req to compute next: bounded by the budget, the chunk size and half the hot tier."""
-        half = max(1, self.store.hot.num_pages // 2) * self.page_size - req.num_computed % self.page_size
+        half = max(1, self.store.hot_pages // 2) * self.page_size - req.num_computed % self.page_size
         return min(req.pending, budget, self.engine_cfg.prefill_chunk_tokens, half)
 
+    # the step
+    def schedule(self) -> list[tuple[Request, int]]:
+        """This step's work: (request, tokens to compute), each request at most once."""
+        self.step_no += 1
+        self._batch, self._budget = {}, self.engine_cfg.max_batch_tokens
+        self._poll_loads()
+        for req in sorted(self.running, key=self._order):
+            if req.status is not Status.RUNNING or req.pending != 1:
+                continue
+            if len(self._batch) >= self.engine_cfg.decode_concurrency or self._budget < 1:
+                break
+            if self._grow(req, 1):
+                self._add(req, 1)
+            elif req.status is Status.RUNNING and self.stuck(req):
+                self.stalled.append(req)  # alone and still no page: the hot tier is too small for it
+        prefilling = 0
+        for req in sorted(self.running, key=self._order):
+            if (req.status is not Status.RUNNING or req.pending <= 1 or req in self._batch or self._budget < 1
+                    or prefilling >= self.engine_cfg.prefill_concurrency):
+                continue
+            n = self._chunk(req, self._budget)
+            if self._grow(req, n):
+                self._add(req, n)
+                prefilling += 1
+            elif req.status is Status.RUNNING and self.stuck(req):
+                self.stalled.append(req)
+        self.waiting.sort(key=self._order)
+        while self.waiting and self._budget > 0 and prefilling < self.engine_cfg.prefill_concurrency:
+            req = self.waiting[0]
+            if req.preempted_step == self.step_no:
+                break   # it keeps its place; nothing behind it jumps the queue this step
+            n = self._admit(req, self._budget)
+            if n == LOADING:
+                self.waiting.pop(0)
+                continue
+            if not n and self.cfg.policy == "preemptive":
+                lower = [r for r in self.running if r.priority < req.priority]
+                if lower:
+                    self.preempt(max(lower, key=self._order))
+                    continue
+            if not n:
+                break
+            self.waiting.pop(0)
+            self._add(req, n)
+            prefilling += 1
+        return list(self._batch.items())
+
+    def _add(self, req: Request, n: int) -> None:
+        self._batch[req] = n
+        self._budget -= n
+        req.stuck_since = None
+
+    def stuck(self, req: Request) -> bool:
+        """req runs alone (or would) and gets no page. The first time, relieve the pressure: loads of
+        waiting requests give their warm pages back and the background writes dirty pages behind
+        so that they can be freed. True once it has been stuck for STUCK_LIMIT_S."""
+        now = time.monotonic()
+        if req.stuck_since is None:
+            req.stuck_since = now
+            for r in self.waiting:
+                if r.handle is not None and r.handle.ticket is not None:
+                    r.handle.end_load()
+                    r.load_tried = False
+        self.store.io.kick()
+        return now - req.stuck_since > STUCK_LIMIT_S
+
+    def _poll_loads(self) -> None:
+        now = time.monotonic()
+        for req in list(self.loading):
+            if not req.handle.loading or now >= req.load_deadline:
+                self.loading.remove(req)
+                req.status = Status.WAITING
+                self.waiting.append(req)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block up to `timeout` for a load to finish (only when there is nothing else to run)."""
+        for req in self.loading:
+            if req.handle.ticket is not None:
+                try:
+                    req.handle.ticket.wait(timeout)
+                except TimeoutError:
+                    pass
+                return
+
+    # pages
     def _grow(self, req: Request, n: int) -> bool:
-        """Give req the pages for its next n tokens, preempting others (or spilling) if needed."""
-        need = self._pages_needed(req, n)
-        while need > 0:
+        """Give running req the pages for its next n tokens. Under pressure the latest running request
+        is preempted (req itself if it is the latest: then False), or, req alone, its head spilled."""
+        pages = self._pages(req.num_computed + n)
+        while True:
             try:
-                req.slots += self.store.allocate(need)
+                req.handle.grow(pages)
                 return True
             except OutOfCapacity:
-                victims = [r for r in self.running if r is not req]
-                if victims:
-                    self.preempt(max(victims, key=self._order))
-                elif not self._spill(req, need):
+                victim = max(self.running, key=self._order)
+                if victim is not req:
+                    self.preempt(victim)
+                elif len(self.running) > 1:
+                    self.preempt(req)
                     return False
-        return True
+                elif not self._spill(req, pages - req.handle.num_pages):
+                    return False
 
     def _spill(self, req: Request, n: int) -> int:
-        """Move req's n oldest committed hot pages to warm leases; returns how many moved."""
-        first = len(req.spilled)
-        n = min(n, req.committed - first) if self.can_spill else 0
-        if n <= 0:
-            return 0
-        keys = page_keys(req.namespace, req.tokens[:(first + n) * self.page_size], self.page_size)[first:]
-        leased = self.store.lease_warm(keys)
-        self.store.release(req.slots[:len(leased)])
-        req.spilled += leased
-        req.slots = req.slots[len(leased):]
-        self.spilled_pages += len(leased)
-        return len(leased)
+        moved = req.handle.spill(n) if self.can_spill else 0
+        self.spilled_pages += moved
+        return moved
 
-    def _release(self, req: Request) -> None:
-        self.store.release(req.slots)
-        self.store.release_warm(req.spilled)
-        req.slots, req.spilled = [], []
+    def commit(self, req: Request) -> None:
+        """Give keys to req's pages that filled up (called after each step it ran in)."""
+        req.handle.commit(req.tokens, req.num_computed // self.page_size)
 
     def preempt(self, req: Request) -> None:
         self.commit(req)
-        self._release(req)
-        req.num_computed, req.committed = 0, 0
+        req.handle.release()
+        req.num_computed = 0
         req.status = Status.WAITING
         req.preemptions += 1
+        req.preempted_step = self.step_no
+        req.load_tried = False
         self.preemptions += 1
         self.running.remove(req)
-        self.waiting.append(req)  # sorted by arrival: ahead of everything that came later
-
-    def commit(self, req: Request) -> None:
-        full, first = req.num_computed // self.page_size, len(req.spilled)
-        if full > req.committed:
-            self.store.commit(req.namespace, req.tokens[:full * self.page_size],
-                              req.slots[req.committed - first:full - first], start_page=req.committed)
-            req.committed = full
+        if req in self._batch:
+            self._budget += self._batch.pop(req)
+        self.waiting.append(req)
 
     def finish(self, req: Request) -> None:
-        self.commit(req)
-        self._release(req)
+        """Release req's pages (committing the full ones) and take it out of every queue; once."""
+        if req.status is Status.FINISHED:
+            raise RuntimeError(f"request {req.id} finished twice")
+        if req.handle is not None:
+            if req.status is Status.RUNNING:
+                self.commit(req)
+            req.handle.release()
+        for queue in (self.running, self.waiting, self.loading):
+            if req in queue:
+                queue.remove(req)
         req.status = Status.FINISHED
-        self.running.remove(req)
 
+    # admission
     def _admit(self, req: Request, budget: int) -> int:
-        """Admit req if its pages fit; returns the tokens it will compute this step (0: not admitted)."""
-        tokens = req.tokens
-        m = self.store.match(tokens[:len(tokens) - 1], req.namespace)  # always compute the last token
-        pages_total = -(-len(tokens) // self.page_size)
-        need_hot = pages_total - m.tiers.count("hot")
-        reserve = int((1 - self.store.config.hot.high_watermark) * self.store.hot.num_pages)
-        if need_hot > self.store.hot_budget() - reserve and self.running:
+        """Admit req if its pages fit; returns the tokens it computes this step (0: not admitted,
+        LOADING: it now waits for its cached prefix to come up from cold)."""
+        if req.handle is None:
+            req.handle = self.store.handle(req.namespace)
+        h = req.handle
+        m = h.match(req.tokens[:len(req.tokens) - 1])  # always compute the last token
+        if not req.load_tried and not h.loading:
+            req.load_tried = True
+            if h.load(m) and self.prefetch.policy != "best_effort":
+                req.status = Status.LOADING
+                req.load_deadline = (time.monotonic() + self.prefetch.timeout_s if self.prefetch.policy == "timeout"
+                                     else float("inf"))
+                self.loading.append(req)
+                return LOADING
+        lead = m.tiers.index("cold") if "cold" in m.tiers else len(m.tiers)
+        need_hot = self._pages(len(req.tokens)) - m.tiers[:lead].count("hot")
+        if need_hot > self.store.admission_budget() and self.running:
             return 0
-        quota = self._quota(req.tenant)
-        held = sum(len(r.slots) for r in self.running if r.tenant == req.tenant)
-        if quota and held + pages_total > quota and any(r.tenant == req.tenant for r in self.running):
+        quota = self.cfg.tenant_quotas.get(req.tenant, self.cfg.tenant_quota_pages)
+        mine = [r for r in self.running if r.tenant == req.tenant]
+        if quota and mine and sum(r.handle.num_pages for r in mine) + self._pages(len(req.tokens)) > quota:
             return 0
-        try:
-            self._acquire_prefix(req, m.keys)
-        except OutOfCapacity:
+        if not self._attach(req, m):
             return 0
-        held = len(req.spilled) + len(req.slots)
-        req.num_computed = req.committed = held * self.page_size
-        req.committed = held
+        req.num_computed = h.num_tokens
         if not req.admitted:
-            for i, tier in enumerate(m.tiers[:held]):
+            for i, tier in enumerate(h.served[:h.num_pages]):
                 req.cached_tokens["peer" if i in req.peer_pages else tier] += self.page_size
             req.admitted = True
         n = self._chunk(req, budget)
-        if not self._grow(req, n):
-            self._release(req)
-            req.num_computed = req.committed = 0
+        try:
+            h.grow(self._pages(req.num_computed + n))
+        except OutOfCapacity:
+            h.release()
+            req.num_computed = 0
             return 0
         req.status = Status.RUNNING
         self.running.append(req)
         return n
 
-    def _acquire_prefix(self, req: Request, keys: list[bytes]) -> None:
-        """Hold req's cached prefix in hot; if it cannot fit and req would run alone, lease its
+    def _attach(self, req: Request, m) -> bool:
+        """Hold req's cached prefix; a request that would run alone and cannot fit in hot leases its
         oldest pages in warm instead."""
         try:
-            req.slots = self.store.acquire(keys)
-            return
+            req.handle.attach(m)
+            return True
         except OutOfCapacity:
             if not self.can_spill or self.running:
-                raise
-        room = max(self.store.hot_budget() - max(1, self.store.hot.num_pages // 2), 0)
-        split = max(len(keys) - room, 0)
-        req.spilled = self.store.lease_warm(keys[:split])
-        req.slots = self.store.acquire(keys[split:]) if len(req.spilled) == split else []
+                return False
+        room = max(self.store.hot_budget() - max(1, self.store.hot_pages // 2), 0)
+        try:
+            req.handle.attach(m, spill_room=room)
+            return True
+        except OutOfCapacity:
+            return False
 
-    def schedule(self) -> list[tuple[Request, int]]:
-        """This step's work: (request, tokens to compute)."""
-        budget = self.engine_cfg.max_batch_tokens
-        batch: list[tuple[Request, int]] = []
-        for req in sorted(self.running, key=self._order):
-            if req not in self.running or req.pending != 1:
-                continue
-            if len(batch) >= self.engine_cfg.decode_concurrency or budget < 1:
-                break
-            if self._grow(req, 1):
-                batch.append((req, 1))
-                budget -= 1
-            else:
-                self.stalled.append(req)  # alone and still no page: the hot tier is too small for it
-        batch = [(r, n) for r, n in batch if r in self.running]  # drop the preempted
-        prefilling = 0
-        for req in sorted(self.running, key=self._order):
-            if req.pending <= 1 or budget < 1 or prefilling >= self.engine_cfg.prefill_concurrency:
-                continue
-            n = self._chunk(req, budget)
-            if self._grow(req, n):
-                batch.append((req, n))
-                budget -= n
-                prefilling += 1
-        batch = [(r, n) for r, n in batch if r in self.running]
-        self.waiting.sort(key=self._order)
-        while self.waiting and budget > 0 and prefilling < self.engine_cfg.prefill_concurrency:
-            req = self.waiting[0]
-            n = self._admit(req, budget)
-            if not n and self.cfg.policy == "preemptive":
-                lower = [r for r in self.running if r.priority < req.priority]
-                if lower:
-                    self.preempt(max(lower, key=self._order))
-                    batch = [(r, k) for r, k in batch if r in self.running]
-                    continue
-            if not n:
-                break
-            self.waiting.pop(0)
-            batch.append((req, n))
-            budget -= n
-            prefilling += 1
-        return [(r, n) for r, n in batch if r in self.running]
+    # checks (debug mode and tests)
+    def check(self) -> list[str]:
+        """Invariants: each request in one queue with a matching state, page references balanced."""
+        problems = []
+        seen: dict[int, str] = {}
+        for name, queue, status in (("waiting", self.waiting, Status.WAITING), ("loading", self.loading, Status.LOADING),
+                                    ("running", self.running, Status.RUNNING)):
+            for r in queue:
+                if id(r) in seen:
+                    problems.append(f"{r.id} is in {seen[id(r)]} and {name}")
+                seen[id(r)] = name
+                if r.status is not status:
+                    problems.append(f"{r.id} is in {name} with status {r.status.value}")
+        for r in self.waiting + self.loading:
+            if r.handle is not None and r.handle.num_pages:
+                problems.append(f"{r.id} holds {r.handle.num_pages} pages while {r.status.value}")
+        audit = self.store.audit(cold=False)
+        problems += audit["problems"]
+        held = sum(len(r.handle.slots) for r in self.running)
+        if audit["total_refcount"] + audit["allocated_slots"] != held:
+            problems.append(f"hot references {audit['total_refcount']} + allocated {audit['allocated_slots']} "
+                            f"!= slots held by running requests {held}")
+        return problems

@@ -141,9 +141,9 @@ class ColdConfig:
 
 @dataclass(frozen=True)
 class PrefetchConfig:
-    policy: str = opt("best_effort", _str, f"one of {', '.join(PREFETCH_POLICIES)}",
+    policy: str = opt("timeout", _str, f"one of {', '.join(PREFETCH_POLICIES)}",
                       lambda v: v in PREFETCH_POLICIES)
-    timeout_s: float = opt(0.5, _float, "seconds >= 0", lambda v: v >= 0)
+    timeout_s: float = opt(2.0, _float, "seconds >= 0", lambda v: v >= 0)
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,8 @@ class EngineConfig:
     decode_concurrency: int = opt(64, _int, "an integer >= 1", lambda v: v >= 1)
     share_across_tenants: bool = opt(False, _bool, "true or false")
     seed: int = opt(0, _int, "an integer (seeds the random weights of presets)")
+    check_invariants: bool = opt(False, _bool, "true or false (debug: check the scheduler's and store's "
+                                 "invariants after every step; slow)")
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,8 @@ class Daemon:
         return await self.run(self.store.match, tokens, namespace)
 
     async def acquire(self, keys: Sequence[bytes]) -> list[int]:
+        """Hot slots of a cached chain; its cold pages are loaded first (store.acquire never reads disk)."""
+        await self.run(self.store.promote, keys, "warm")
         return await self.run(self.store.acquire, keys)
 
     async def release(self, slots: Sequence[int]) -> None:

@@ -219,6 +219,11 @@ class PageIndex:
                         key = q.key(e) if key is None else key
                         q.push(e, key)
 
+    def settle(self) -> None:
+        """Push the changed entries now (a bulk loader calls it per chunk, so that no later read
+        finds most of the index changed and rebuilds every queue under the store's lock)."""
+        self._flush()
+
     def _cold_held(self, e: PageEntry) -> bool:
         """A cold record stays while a child is in cold, or while it is the only copy of a parent."""
         if not e.kids:

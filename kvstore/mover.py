@@ -1,24 +1,33 @@
 """PageMover: moves pages between the tiers and decides what leaves a tier.
 
 Caching is inclusive: promoting a page leaves its lower copies in place, so demoting it again
-is only a free. Demoting copies a page down where no lower copy exists: hot -> warm, what does
-not fit in warm -> cold, what fits nowhere leaves the store if it is a leaf (no cached page
-extends it) and otherwise stays. Referenced pages never leave hot, leased pages never leave
-warm, pinned pages never leave any tier; a cold record is deleted only when none of its
-children is in cold (leaves first).
+is only a free. Referenced pages never leave hot, leased pages never leave warm, pinned pages
+never leave any tier; a cold record is deleted only when none of its children is in cold
+(leaves first).
 
-All methods run under the store's lock (TieredStore calls them); none takes a lock itself.
+Two speeds, so that no caller ever holds the store's lock across disk I/O:
+- memory (any thread, under the lock): `ensure_hot`, `ensure_warm_copy`, `make_room`, `demote`.
+  They never read or write LMDB. A page with no lower copy moves hot -> warm when warm has
+  room (freeing clean warm pages for it), and otherwise leaves the store if it is a leaf (a
+  cached page dropped, never a wrong one); a warm page without a cold copy is dirty and stays
+  until write-behind (PageIO) has made it durable.
+- disk (PageIO's threads): `plan_write` -> DiskTier.put_many -> `finish_write`, and
+  `plan_read` -> DiskTier.read_many -> `finish_read`, bracket the LMDB work; the plan and
+  finish halves run under the lock, the I/O between them does not. Pages in flight are marked:
+  a page being written keeps its warm copy (`writing`), a page being read owns its warm slot.
+
+All methods run under the store's lock (TieredStore and PageIO call them); none takes a lock itself.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from kvstore.errors import KVStoreError, OutOfCapacity
+from kvstore.errors import OutOfCapacity
 from kvstore.index import PageEntry, PageIndex
-from kvstore.policy import pick
 from kvstore.record import PREFIX_BYTES, RecordHeader
 from kvstore.spec import KVSpec
 from kvstore.tiers.device import DeviceTier
@@ -28,6 +37,23 @@ from kvstore.tiers.host import HostTier
 TIERS = ("hot", "warm", "cold")
 DIRECTIONS = ("hot_to_warm", "warm_to_hot", "warm_to_cold", "cold_to_warm", "hot_to_cold", "cold_to_hot",
               "peer_to_warm")
+
+
+@dataclass
+class WritePlan:
+    """Pages on their way to cold: headers and payload views that stay valid until finish_write."""
+
+    entries: list[PageEntry]
+    items: list[tuple[RecordHeader, object]]
+    nbytes: int
+
+
+@dataclass
+class ReadPlan:
+    """Cold pages on their way to warm: each owns the warm slot it is read into."""
+
+    entries: list[PageEntry]
+    slots: list[int]
 
 
 class PageMover:
@@ -40,101 +66,173 @@ class PageMover:
         self.counters = {t: {"hits": 0, "misses": 0, "evictions": 0, "promotions": 0} for t in TIERS}
         self.bytes_moved = dict.fromkeys(DIRECTIONS, 0)
         self.corrupt_pages = 0
+        self.dropped_pages = 0               # cached pages that left the store for lack of room
+        self.reading: set[int] = set()       # warm slots owned by reads in flight
+        self.deleting: set[bytes] = set()    # cold records unindexed, their delete not yet durable
 
-    # up
+    def record_bytes(self, e: PageEntry) -> int:
+        return PREFIX_BYTES + len(self.header(e).pack()) + self.spec.page_bytes
+
+    def header(self, e: PageEntry) -> RecordHeader:
+        return RecordHeader(e.key, e.parent, e.namespace, e.tokens, self.spec.fingerprint, self.spec.page_bytes)
+
+    # up, at memory speed
     def ensure_hot(self, e: PageEntry) -> bool:
-        """Give e a hot copy (promoting from warm or cold). False if its cold record is bad."""
+        """Give e a hot copy (from warm). False when its only copy is in cold: load it first (PageIO).
+        Raises OutOfCapacity when hot has no room."""
         if e.hot is not None:
             self.counters["hot"]["hits"] += 1
             return True
         self.counters["hot"]["misses"] += 1
-        if not self.make_room("hot", 1):
+        if e.warm is None:
+            return False
+        e.leases += 1   # its warm copy must survive making room in hot
+        try:
+            room = self.make_room("hot", 1)
+        finally:
+            e.leases -= 1
+        if not room:
             raise OutOfCapacity(f"out of KV capacity: cannot promote a page, all {self.hot.num_pages} "
                                 "hot pages are referenced, pinned or allocated")
         [slot] = self.hot.pool.alloc(1)
-        if e.warm is not None:
-            self.counters["warm"]["hits"] += 1
-            self.hot.load_from([slot], self.warm, [e.warm])
-            self.bytes_moved["warm_to_hot"] += self.spec.page_bytes
-        else:
-            self.counters["warm"]["misses"] += 1
-            staging = torch.empty(self.spec.page_bytes, dtype=torch.uint8)
-            if not self.read_cold(e, staging):
-                self.hot.pool.free([slot])
-                return False
-            self.hot.scatter([slot], staging.view(self.spec.torch_dtype))
-            self.bytes_moved["cold_to_hot"] += self.spec.page_bytes
+        self.counters["warm"]["hits"] += 1
+        self.hot.load_from([slot], self.warm, [e.warm])
+        self.bytes_moved["warm_to_hot"] += self.spec.page_bytes
         self.index.set_hot(e, slot)
         self.counters["hot"]["promotions"] += 1
         self.emit("add", e.key, "hot")
         return True
 
-    def ensure_warm(self, e: PageEntry) -> bool:
-        """Give e a copy in hot or warm (prefetch from cold). False if there is no room or it is bad."""
-        if e.hot is not None or e.warm is not None:
-            return True
-        if not self.make_room("warm", 1):
-            return False
-        [slot] = self.warm.pool.alloc(1)
-        if not self.read_cold(e, self.warm.raw[slot]):
-            self.warm.pool.free([slot])
-            return False
-        self.index.set_warm(e, slot)
-        self.bytes_moved["cold_to_warm"] += self.spec.page_bytes
-        self.counters["warm"]["promotions"] += 1
-        self.emit("add", e.key, "warm")
-        return True
-
     def ensure_warm_copy(self, e: PageEntry) -> bool:
-        """Give e a warm copy itself (from hot, else cold). False if warm has no room or the record is bad."""
+        """Give e a warm copy itself (from hot). False when warm has no room or its only copy is cold."""
         if e.warm is not None:
             self.counters["warm"]["hits"] += 1
             return True
         self.counters["warm"]["misses"] += 1
-        if not self.make_room("warm", 1):
+        if e.hot is None or not self.make_room("warm", 1, {e.key}):
             return False
         [slot] = self.warm.pool.alloc(1)
-        if e.hot is not None:
-            self.hot.save_to([e.hot], self.warm, [slot])
-            self.bytes_moved["hot_to_warm"] += self.spec.page_bytes
-        elif self.read_cold(e, self.warm.raw[slot]):
-            self.bytes_moved["cold_to_warm"] += self.spec.page_bytes
-            self.counters["warm"]["promotions"] += 1
-        else:
-            self.warm.pool.free([slot])
-            return False
+        self.hot.save_to([e.hot], self.warm, [slot])
+        self.bytes_moved["hot_to_warm"] += self.spec.page_bytes
         self.index.set_warm(e, slot)
         self.emit("add", e.key, "warm")
         return True
 
-    def page_bytes(self, e: PageEntry):
-        """A page-first byte copy of e's page from its fastest tier (None if its cold record is bad)."""
+    def page_bytes(self, e: PageEntry) -> bytes | None:
+        """A page-first byte copy of e's page from memory (None when it is only in cold)."""
         if e.warm is not None:
             return self.warm.raw[e.warm].numpy().tobytes()
         if e.hot is not None:
             return self.hot.gather([e.hot]).cpu().view(torch.uint8).numpy().tobytes()
-        out = torch.empty(self.spec.page_bytes, dtype=torch.uint8)
-        return out.numpy().tobytes() if self.read_cold(e, out) else None
+        return None
 
-    def read_cold(self, e: PageEntry, out: torch.Tensor) -> bool:
-        """Read and verify e's cold record into `out`; a bad record is a counted miss, never served."""
-        if self.cold is None or not e.cold:
-            return False
-        if self.cold.read(e.key, e.namespace, e.tokens, self.spec.fingerprint, out):
+    # cold reads: plan under the lock, read outside it, finish under it
+    def plan_read(self, entries: list[PageEntry]) -> ReadPlan:
+        """Warm slots for those of `entries` (a chain, in order) that are only in cold; stops at the
+        first page that is gone or finds no warm room. Pages already in memory are skipped."""
+        todo, slots = [], []
+        for e in entries:
+            if e.key not in self.index or e.hot is not None or e.warm is not None:
+                continue
+            if not e.cold or not self.make_room("warm", 1, {x.key for x in entries}):
+                break
+            [slot] = self.warm.pool.alloc(1)
+            self.reading.add(slot)
+            todo.append(e)
+            slots.append(slot)
+        return ReadPlan(todo, slots)
+
+    def finish_read(self, plan: ReadPlan, ok: list[bool]) -> list[PageEntry]:
+        """Index what was read into warm; a bad record is a counted miss, never served. Returns the
+        entries now in warm from this plan, in order, up to the first failure."""
+        done, failed = [], False
+        for e, slot, good in zip(plan.entries, plan.slots, ok):
+            self.reading.discard(slot)
+            alive = e.key in self.index and e.warm is None
+            if not good:
+                self.mark_corrupt(e)
+            if failed or not good or not alive:
+                failed = failed or not good
+                self.warm.pool.free([slot])
+                continue
+            self.index.set_warm(e, slot)
             self.counters["cold"]["hits"] += 1
-            return True
+            self.counters["warm"]["promotions"] += 1
+            self.bytes_moved["cold_to_warm"] += self.spec.page_bytes
+            self.emit("add", e.key, "warm")
+            done.append(e)
+        return done
+
+    def mark_corrupt(self, e: PageEntry) -> None:
+        """e's cold record failed verification: it is no longer a copy of e (left for `kvstore fsck`)."""
         self.counters["cold"]["misses"] += 1
         self.corrupt_pages += 1
-        self.unindexed.add(e.key)  # left in place for `kvstore fsck`; deleted first when room is needed
-        e.cold = False
-        self.emit("remove", e.key, "cold")
-        if not e.residency:
-            self.index.remove(e)
-        return False
+        self.unindexed.add(e.key)  # deleted first when cold needs room
+        if e.key in self.index and e.cold:
+            self.index.set_cold(e, False)
+            self.emit("remove", e.key, "cold")
+            if not e.residency:
+                self.index.remove(e)
+
+    # cold writes
+    def plan_write(self, entries: list[PageEntry]) -> WritePlan:
+        """Headers and payloads of those entries that are in memory, not in cold and not already being
+        written; each is marked `writing` (its warm copy stays put) until finish_write."""
+        todo = [e for e in entries if e.key in self.index and not e.cold and not e.writing
+                and e.key not in self.deleting and (e.warm is not None or e.hot is not None)]
+        from_hot = [e for e in todo if e.warm is None]
+        gathered = self.hot.gather([e.hot for e in from_hot]).cpu() if from_hot else None
+        items, j = [], 0
+        for e in todo:
+            e.writing = True
+            if e.warm is not None:
+                payload = self.warm.raw[e.warm].numpy()
+            else:
+                payload = gathered[j].view(torch.uint8).reshape(-1).numpy()
+                j += 1
+            items.append((self.header(e), payload))
+        nbytes = sum(PREFIX_BYTES + len(h.pack()) + self.spec.page_bytes for h, _ in items)
+        return WritePlan(todo, items, nbytes)
+
+    def finish_write(self, plan: WritePlan, ok: bool) -> list[PageEntry]:
+        """Mark the plan's pages cold-resident once their commit is durable; returns them."""
+        done = []
+        for e in plan.entries:
+            e.writing = False
+            if not ok:
+                continue
+            direction = "warm_to_cold" if e.warm is not None else "hot_to_cold"
+            self.bytes_moved[direction] += self.spec.page_bytes
+            if e.key not in self.index:   # dropped meanwhile: the record is orphaned, delete it later
+                self.unindexed.add(e.key)
+                continue
+            self.index.set_cold(e, True)
+            self.emit("add", e.key, "cold")
+            done.append(e)
+        return done
+
+    def cold_victims(self, nbytes: int, exclude: set | None = None) -> tuple[list[bytes], bool]:
+        """Unindex cold records until `nbytes` more fit (damaged ones first); returns the keys to
+        delete (by the caller, outside the lock) and whether that makes enough room."""
+        if self.cold is None:
+            return [], False
+        keys, freed = list(self.unindexed), 0   # damaged records: their size is unknown, count none
+        self.deleting.update(self.unindexed)
+        self.unindexed.clear()
+        limit = self.cold.capacity_bytes - self.cold.pending_bytes
+        while self.cold.used_bytes - freed + nbytes > limit:
+            victims = self.victims("cold", 8, exclude)
+            if not victims:
+                return keys, False
+            for e in victims:
+                freed += self.record_bytes(e)
+                keys.append(e.key)
+            self.remove_copies(victims, "cold")
+        return keys, True
 
     # down
     def evictable(self, e: PageEntry, tier: str, now: float) -> bool:
-        if e.pinned(now) or (tier == "hot" and e.refcount) or (tier == "warm" and e.leases):
+        if e.pinned(now) or (tier == "hot" and e.refcount) or (tier == "warm" and (e.leases or e.writing)):
             return False
         if tier == "cold":
             if any(self.index.entries[k].cold for k in e.kids if k in self.index.entries):
@@ -144,46 +242,33 @@ class PageMover:
 
     def victims(self, tier: str, n: int, exclude: set | None = None, leaves: bool = False) -> list[PageEntry]:
         now = self.index.now()
-        cands = (e for e in self.index.in_tier(tier)
-                 if self.evictable(e, tier, now) and (exclude is None or e.key not in exclude)
-                 and not (leaves and e.kids))
-        return pick(self.policy, cands, n)
+        return self.index.victims(tier, n, lambda e: self.evictable(e, tier, now)
+                                  and (exclude is None or e.key not in exclude)
+                                  and not (leaves and e.kids), self.policy)
 
-    def make_room(self, tier: str, n: int, exclude: set | None = None) -> bool:
-        """Free slots in hot or warm until n are free; False if that is impossible."""
+    def make_room(self, tier: str, n: int, exclude: set | None = None, drop: bool = True) -> bool:
+        """Free slots in hot or warm until n are free, at memory speed; False if that is impossible now.
+        Without `drop`, no page leaves the store (only pages with a copy elsewhere are freed)."""
         pool = self.hot.pool if tier == "hot" else self.warm.pool
         while pool.num_free < n:
             short = n - pool.num_free
             # a parent with nowhere lower to go stays; dropping leaves first frees it for the next round
-            if not (self.demote(self.victims(tier, short, exclude), tier)
-                    or self.demote(self.victims(tier, short, exclude, leaves=True), tier)):
+            if not (self.demote(self.victims(tier, short, exclude), tier, drop)
+                    or self.demote(self.victims(tier, short, exclude, leaves=True), tier, drop)):
                 break
         return pool.num_free >= n
 
-    def make_room_cold(self, nbytes: int, exclude: set | None = None) -> bool:
-        if self.cold is None:
-            return False
-        limit = self.cold.capacity_bytes
-        if self.cold.used_bytes + nbytes > limit and self.unindexed:
-            self.cold.delete_many(list(self.unindexed)).result()
-            self.unindexed.clear()
-        while self.cold.used_bytes + nbytes > limit:
-            victims = self.victims("cold", 8, exclude)
-            if not victims:
-                return False
-            self.demote(victims, "cold")
-        return True
+    def demote(self, victims: list[PageEntry], tier: str, drop: bool = True) -> int:
+        """Move victims out of hot or warm at memory speed; returns how many left it.
 
-    def demote(self, victims: list[PageEntry], tier: str) -> int:
-        """Move victims out of `tier`; returns how many left it."""
-        if tier == "cold":
-            self.remove_copies(victims, "cold")
-            return len(victims)
+        A victim leaves when a lower copy exists (warm or cold below hot; cold, or a hot copy, for
+        warm), when hot can copy it to warm, or, with no copy elsewhere and `drop`, when it is a leaf
+        (dropped). Other pages stay (write-behind can make them clean)."""
         other = "warm" if tier == "hot" else "hot"
         done = [e for e in victims if e.cold or getattr(e, other) is not None]
         need = [e for e in victims if not (e.cold or getattr(e, other) is not None)]
         if tier == "hot" and need and self.warm.num_slots:
-            self.make_room("warm", min(len(need), self.warm.num_slots), {e.key for e in victims})
+            self.make_room("warm", min(len(need), self.warm.num_slots), {e.key for e in victims}, drop)
             k = min(len(need), self.warm.pool.num_free)
             to_warm, need = need[:k], need[k:]
             if to_warm:
@@ -194,62 +279,14 @@ class PageMover:
                     self.index.set_warm(e, s)
                     self.emit("add", e.key, "warm")
                 done += to_warm
-        if need:
-            written = self.write_cold(need, make_room=True)
-            done += written
-            need = need[len(written):]
-        done += [e for e in need if not e.kids]  # fits nowhere: leaves leave the store
-        self.remove_copies(done, tier)
-        return len(done)
-
-    def evict_entries(self, entries: list[PageEntry], tiers: tuple[str, ...]) -> int:
-        """Demote each entry out of each of `tiers` where it may leave; returns how many copies left."""
-        moved = 0
-        for tier in tiers:
-            for e in entries:
-                in_tier = e.hot is not None if tier == "hot" else e.warm is not None if tier == "warm" else e.cold
-                if in_tier and e.key in self.index and self.evictable(e, tier, self.index.now()):
-                    moved += self.demote([e], tier)
-        return moved
-
-    def write_cold(self, entries: list[PageEntry], make_room: bool) -> list[PageEntry]:
-        """Write entries' pages (from warm, else hot) to cold; returns the prefix of entries written."""
-        if self.cold is None or not entries:
-            return []
-        headers = [RecordHeader(e.key, e.parent, e.namespace, e.tokens, self.spec.fingerprint,
-                                self.spec.page_bytes) for e in entries]
-        sizes = [PREFIX_BYTES + len(h.pack()) + self.spec.page_bytes for h in headers]
-        keep = len(entries)
-        exclude = {e.key for e in entries}
-        while keep and not (self.make_room_cold(sum(sizes[:keep]), exclude) if make_room
-                            else self.cold.used_bytes + sum(sizes[:keep]) <= self.cold.capacity_bytes):
-            keep -= 1
-        entries, headers = entries[:keep], headers[:keep]
-        if not entries:
-            return []
-        from_hot = [e for e in entries if e.warm is None]
-        gathered = self.hot.gather([e.hot for e in from_hot]).cpu() if from_hot else None
-        payloads, j = [], 0
-        for e in entries:
-            if e.warm is not None:
-                payloads.append(self.warm.raw[e.warm].numpy())
-                self.bytes_moved["warm_to_cold"] += self.spec.page_bytes
-            else:
-                payloads.append(gathered[j].view(torch.uint8).reshape(-1).numpy())
-                self.bytes_moved["hot_to_cold"] += self.spec.page_bytes
-                j += 1
-        try:
-            self.cold.put_many(list(zip(headers, payloads))).result()
-        except KVStoreError:
-            return []
-        for e in entries:
-            e.cold = True
-            self.emit("add", e.key, "cold")
-        return entries
+        dropped = [e for e in need if drop and not e.kids and not e.writing]  # fits nowhere: leaves leave the store
+        self.dropped_pages += len(dropped)
+        self.remove_copies(done + dropped, tier)
+        return len(done) + len(dropped)
 
     def remove_copies(self, entries: list[PageEntry], tier: str) -> None:
-        """Drop entries' copies in `tier`; an entry with no copy left leaves the index."""
-        doomed = []
+        """Drop entries' copies in `tier` (a cold record's delete is the caller's); an entry with no
+        copy left leaves the index."""
         for e in entries:
             if tier == "hot":
                 self.hot.pool.free([e.hot])
@@ -258,12 +295,10 @@ class PageMover:
                 self.warm.pool.free([e.warm])
                 self.index.set_warm(e, None)
             else:
-                doomed.append(e.key)
-                e.cold = False
+                self.index.set_cold(e, False)
+                self.deleting.add(e.key)   # the caller deletes the record (PageIO.drop_cold)
             self.counters[tier]["evictions"] += 1
             self.emit("remove", e.key, tier)
-        if doomed:
-            self.cold.delete_many(doomed).result()
         for e in entries:
             if not e.residency:
                 self.index.remove(e)

@@ -6,7 +6,7 @@ lease_warm(keys) / allocate_warm(n) -> fill -> commit_warm(tokens, slots) -> rel
 Rules: a leased page stays in its warm slot, unchanged, until released (the mover does not
 evict it from warm); an allocated slot is the caller's alone until committed or released, and is
 tracked in `_warm_owned`. Every method takes the store's lock. The host class provides the lock,
-spec, config, warm tier, index, mover, write_through_pending, _warm_owned and _emit.
+spec, config, warm tier, index, mover, io, write_through_pending, _warm_owned and _emit.
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ class WarmSharing:
     """lease_warm, allocate_warm, commit_warm, release_warm: see the module docstring."""
 
     def allocate_warm(self, n: int) -> list[int]:
-        """n warm slots for the caller to fill, evicting unleased warm pages if needed."""
+        """n warm slots for the caller to fill, evicting unleased warm pages if needed (pages with no
+        cold copy are written behind first, outside the lock: this blocks, for worker threads)."""
+        with self._lock:
+            room = self.mover.make_room("warm", n, drop=self.cold is None)
+            short = n - self.warm.pool.num_free
+            victims = [] if room else self.mover.victims("warm", short)
+        if victims:
+            self._write_behind(victims, "warm")
         with self._lock:
             if not self.mover.make_room("warm", n):
                 raise OutOfCapacity(f"out of warm capacity: {n} warm pages requested, {self.warm.pool.num_free} free "
@@ -62,14 +69,34 @@ class WarmSharing:
 
     def lease_warm(self, keys: Sequence[bytes], namespace: Namespace | None = None) -> list[int]:
         """Warm slots holding these pages (a prefix chain), each now leased once by the caller: the page
-        stays in that slot, unchanged, until release_warm. Pages only in hot or cold are copied to warm.
-        Stops at the first page that is gone, of another namespace, bad, or finds no warm room."""
+        stays in that slot, unchanged, until release_warm. Pages only in hot are copied to warm; pages
+        only in cold are read first, outside the lock (so this blocks: for worker threads). Stops at
+        the first page that is gone, of another namespace, bad, or finds no warm room."""
+        with self._lock:
+            chain = []
+            for key in keys:
+                e = self.index.get(key)
+                if e is None or (namespace is not None and e.namespace != namespace.digest):
+                    break
+                chain.append(key)
+            cold = any(self.index.entries[k].tier == "cold" for k in chain)
+        if not cold:
+            return self.lease_in_memory(chain)
+        ticket = self.io.load(chain)
+        ticket.wait()
+        with self._lock:
+            try:
+                return self.lease_in_memory(chain[:ticket.ready])
+            finally:
+                self.io.end_load(ticket)
+
+    def lease_in_memory(self, keys: Sequence[bytes]) -> list[int]:
+        """lease_warm at memory speed: stops at the first page that is only in cold (never reads the disk)."""
         slots: list[int] = []
         with self._lock:
             for key in keys:
                 e = self.index.get(key)
-                if (e is None or (namespace is not None and e.namespace != namespace.digest)
-                        or not self.mover.ensure_warm_copy(e)):
+                if e is None or not self.mover.ensure_warm_copy(e):
                     break
                 e.leases += 1
                 e.hits += 1

@@ -3,20 +3,27 @@
 Pages live in hot (DeviceTier), warm (HostTier) and cold (DiskTier), are named by hash-chained
 keys (keys.py), indexed by PageIndex (where, who holds them, how used) and moved by PageMover.
 
-A caller's life cycle: match(tokens) -> acquire(match.keys) (hot slots of the cached prefix,
-referenced) -> allocate(n) (fresh hot slots for the rest) -> fill them -> commit(tokens, slots)
--> release(slots). Released pages stay cached (refcount 0) until evicted.
+The engine's requests go through a CacheHandle (handle.py): `store.handle(namespace)`, then
+match -> load (cold pages up to warm, in the background) -> attach (hold the cached prefix in
+hot) -> grow (fresh hot slots) -> fill -> commit -> release. Released pages stay cached
+(refcount 0) until evicted. The same verbs exist on the store for other callers:
+match(tokens) -> acquire(keys) -> allocate(n) -> commit(tokens, slots) -> release(slots).
 Another process sharing the warm tier (the sidecar's client) does the same in warm
 (sharing.py, WarmSharing):
 lease_warm(keys) / allocate_warm(n) -> fill -> commit_warm(tokens, slots) -> release_warm(slots).
 
-Thread model: every public method takes one re-entrant lock and is synchronous. Cold-tier I/O
-happens inside it on the calling thread (the writer thread does the LMDB writes), so async
-callers go through the daemon (daemon.py), which runs these methods in worker threads.
+Thread model: every public method takes one re-entrant lock. Methods the engine calls (match,
+acquire, allocate, commit, release, lease_in_memory, hot_budget) work at memory speed and never
+touch the disk. Disk work (loads, write-behind, cold eviction) runs in PageIO (pageio.py)
+outside the lock, on its own threads, or on the caller's thread for the blocking methods meant
+for worker threads (promote, lease_warm, evict, flush, rebalance, export_records, close).
+Opening the store indexes the cold tier in the background: pages become visible as they are
+indexed (`indexing` says how far it is).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -26,10 +33,12 @@ import torch
 
 from kvstore.config import Config
 from kvstore.errors import KVStoreError, OutOfCapacity
+from kvstore.handle import CacheHandle
 from kvstore.index import PageEntry, PageIndex
 from kvstore.keys import Namespace, page_keys, tokens_bytes
 from kvstore import record
 from kvstore.mover import TIERS, PageMover
+from kvstore.pageio import PageIO
 from kvstore.record import RecordHeader
 from kvstore.sharing import WarmSharing
 from kvstore.spec import KVSpec
@@ -38,6 +47,8 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 
 Listener = Callable[[str, bytes, str], None]   # (event "add" | "remove", key, tier)
+log = logging.getLogger("kvstore.store")
+INDEX_WAIT_S = 2.0   # how long services wait for the cold tier's index before serving without it
 
 
 @dataclass
@@ -87,7 +98,7 @@ class TieredStore(WarmSharing):
                              shared=config.warm.shared_memory)
         self.cold = (DiskTier(config.cold_path, self.spec, config.cold.max_bytes, config.cold_map_size_max,
                               config.cold.write_batch) if config.cold.enabled else None)
-        self.index = PageIndex()
+        self.index = PageIndex(config.eviction_policy)
         self._lock = threading.RLock()
         self._owned: set[int] = set()   # hot slots allocated to callers and not committed
         self._warm_owned: set[int] = set()   # the same in warm (allocate_warm)
@@ -97,24 +108,72 @@ class TieredStore(WarmSharing):
         self.mismatched_pages = 0
         self.mover = PageMover(self.spec, self.hot, self.warm, self.cold, self.index,
                                config.eviction_policy, self._emit)
+        self.io = PageIO(self)
+        self._maintenance = threading.Lock()   # one rebalance at a time
+        self.indexing = {"done": self.cold is None, "pages": 0}
+        self._closing = False
+        self._indexer: threading.Thread | None = None
         if self.cold is not None:
-            self._load_cold()
+            self._indexer = threading.Thread(target=self._index_cold, name="kvstore-cold-index", daemon=True)
+            self._indexer.start()
 
     # lifecycle
-    def _load_cold(self) -> None:
-        for key, header, _ in self.cold.scan():
-            if header is None or header.spec != self.spec.fingerprint or header.nbytes != self.spec.page_bytes:
-                self.mover.unindexed.add(key)
-                continue
-            self.index.add(PageEntry(key, header.parent, header.namespace, header.tokens, cold=True))
-        self.index.compute_depths()
+    def _index_cold(self) -> None:
+        """Index the cold tier's records, a chunk per trip through the lock, while the store serves."""
+        chunk: list = []
+        try:
+            for item in self.cold.scan():
+                chunk.append(item)
+                if len(chunk) >= 1024:
+                    self._index_chunk(chunk)
+                    chunk = []
+                if self._closing:
+                    return
+            self._index_chunk(chunk)
+            keys, done = list(self.index.entries), {}
+            for i in range(0, len(keys), 4096):   # a chunk per trip through the lock
+                with self._lock:
+                    self.index.compute_depths(keys[i:i + 4096], done)
+        except KVStoreError as exc:
+            log.warning("indexing the cold tier stopped: %s", exc)
+        finally:
+            self.indexing["done"] = True
+
+    def _index_chunk(self, chunk: list) -> None:
+        with self._lock:
+            for key, header, _ in chunk:
+                if header is None or header.spec != self.spec.fingerprint or header.nbytes != self.spec.page_bytes:
+                    self.mover.unindexed.add(key)
+                    continue
+                e = self.index.get(key)
+                if e is None:
+                    parent = self.index.get(header.parent)
+                    e = self.index.add(PageEntry(key, header.parent, header.namespace, header.tokens,
+                                                 depth=parent.depth + 1 if parent else 0))
+                if not e.cold:
+                    self.index.set_cold(e, True)
+            self.index.settle()
+            self.indexing["pages"] += len(chunk)
+
+    def wait_indexed(self, timeout: float | None = None) -> bool:
+        """Block until the cold tier is indexed (tests, tools); True when it is."""
+        if self._indexer is not None:
+            self._indexer.join(timeout)
+        return self.indexing["done"]
 
     def close(self, persist: bool = True) -> None:
         """Stop the store. With persist, hot and warm pages not yet in cold are written there first."""
-        with self._lock:
-            if persist and self.cold is not None:
+        self._closing = True
+        if self._indexer is not None:
+            self._indexer.join()
+        self.io.close()
+        if persist and self.cold is not None:
+            with self._lock:
                 pending = sorted((e for e in self.index.entries.values() if not e.cold), key=lambda e: e.depth)
-                self.mover.write_cold(pending, make_room=False)  # parents first: no orphans if cut short
+            for i in range(0, len(pending), 256):  # parents first: no orphans if cut short
+                if len(self.io.persist(pending[i:i + 256])) < len(pending[i:i + 256]):
+                    break
+        with self._lock:
             for tier in (self.cold, self.warm, self.hot):
                 if tier is not None:
                     tier.close()
@@ -135,6 +194,10 @@ class TieredStore(WarmSharing):
     def _emit(self, event: str, key: bytes, tier: str) -> None:
         for fn in self._listeners:
             fn(event, key, tier)
+
+    def handle(self, namespace: Namespace) -> CacheHandle:
+        """A request's door to its pages (see handle.py)."""
+        return CacheHandle(self, namespace)
 
     # lookup
     def match(self, tokens: Sequence[int], namespace: Namespace) -> Match:
@@ -160,13 +223,33 @@ class TieredStore(WarmSharing):
         """n hot slots for the caller to fill, evicting unreferenced pages if needed; never oversubscribes."""
         with self._lock:
             if not self.mover.make_room("hot", n):
+                self.io.kick()   # the background may free pages that need a disk write first
                 raise OutOfCapacity(
                     f"out of KV capacity: {n} hot pages requested, {self.hot.pool.num_free} free of "
                     f"{self.hot.num_pages} ({len(self._owned)} allocated, "
                     f"{sum(1 for e in self.index.hot_slots.values() if e.refcount)} referenced)")
             slots = self.hot.pool.alloc(n)
             self._owned.update(slots)
+            self._kick_if_high()
             return slots
+
+    def _kick_if_high(self) -> None:
+        """Wake the background rebalance when hot or warm passes its high watermark."""
+        for pool, cfg in ((self.hot.pool, self.config.hot), (self.warm.pool, self.config.warm)):
+            if pool.num_slots and pool.num_used > cfg.high_watermark * pool.num_slots:
+                self.io.kick()
+                return
+
+    @property
+    def hot_pages(self) -> int:
+        """Pages the hot tier holds in all."""
+        return self.hot.num_pages
+
+    def admission_budget(self) -> int:
+        """Hot pages a new request may take now: free plus evictable, less the headroom the high
+        watermark keeps for running requests to grow."""
+        reserve = int((1 - self.config.hot.high_watermark) * self.hot.num_pages)
+        return self.hot_budget() - reserve
 
     def hot_budget(self) -> int:
         """Hot pages a new request could get now: free plus evictable."""
@@ -186,8 +269,15 @@ class TieredStore(WarmSharing):
         ps = self.spec.page_size
         chain = page_keys(namespace, tokens, ps)[:start_page + len(slots)]
         keys = chain[start_page:]
+        parent = chain[start_page - 1] if start_page else namespace.digest
+        return self.commit_keys(namespace, tokens, keys, slots, start_page, parent)
+
+    def commit_keys(self, namespace: Namespace, tokens: Sequence[int], keys: Sequence[bytes],
+                    slots: Sequence[int], start_page: int, parent: bytes) -> list[bytes]:
+        """commit() with the keys of pages start_page.. already computed (a handle extends its chain)."""
+        ps = self.spec.page_size
         with self._lock:
-            prev = chain[start_page - 1] if start_page else namespace.digest
+            prev = parent
             for i, key in enumerate(keys, start=start_page):
                 slot, e = slots[i - start_page], self.index.get(key)
                 if slot not in self._owned:
@@ -204,13 +294,13 @@ class TieredStore(WarmSharing):
                     e.refcount += 1
                     self._emit("add", key, "hot")
                 prev = key
-        return keys
+        return list(keys)
 
     def acquire(self, keys: Sequence[bytes]) -> list[int]:
         """Hot slots holding these pages (a prefix chain), each now referenced once by the caller.
 
-        Pages in warm or cold are promoted. Stops at the first page that is gone or fails
-        verification, so the result may be shorter than `keys`.
+        Pages in warm are copied up. Stops at the first page that is gone or only in cold (load
+        it first: promote, or a handle's load), so the result may be shorter than `keys`.
         """
         slots: list[int] = []
         with self._lock:
@@ -251,16 +341,25 @@ class TieredStore(WarmSharing):
             self._release_waiters.append(wake)
 
     def promote(self, keys: Sequence[bytes], to: str = "warm") -> int:
-        """Prefetch a prefix chain up to "warm" or "hot" without referencing it; returns pages done."""
-        done = 0
+        """Prefetch a prefix chain up to "warm" or "hot" without referencing it; returns pages done.
+        Blocks while cold pages are read (outside the lock): for worker threads."""
+        ticket = self.io.load(keys)
+        ready = ticket.wait()
         with self._lock:
-            for key in keys:
-                e = self.index.get(key)
-                ok = e is not None and (self.mover.ensure_hot(e) if to == "hot" else self.mover.ensure_warm(e))
-                if not ok:
-                    break
-                done += 1
-        return done
+            try:
+                if to != "hot":
+                    return ready
+                done = 0
+                for key in keys[:ready]:
+                    e = self.index.get(key)
+                    if e is None or not self.mover.ensure_hot(e):
+                        break
+                    done += 1
+                return done
+            except OutOfCapacity:
+                return done
+            finally:
+                self.io.end_load(ticket)
 
     # pages exchanged with peer instances, as cold-format records
     def export_records(self, namespace: bytes, keys: Sequence[bytes]) -> list[bytes]:
@@ -268,16 +367,23 @@ class TieredStore(WarmSharing):
         holds each page; stops at the first page that is missing or unreadable."""
         out = []
         with self._lock:
+            chain = []
             for key in keys:
                 e = self.index.get(key)
                 if e is None or e.namespace != namespace:
                     break
-                page = self.mover.page_bytes(e)
-                if page is None:
-                    break
-                header = RecordHeader(e.key, e.parent, e.namespace, e.tokens, self.spec.fingerprint,
-                                      self.spec.page_bytes)
-                out.append(record.encode_bytes(header, page))
+                chain.append(e)
+        ticket = self.io.load([e.key for e in chain])   # cold pages come up to warm, outside the lock
+        ticket.wait()
+        with self._lock:
+            try:
+                for e in chain[:ticket.ready]:
+                    page = self.mover.page_bytes(e)
+                    if page is None:
+                        break
+                    out.append(record.encode_bytes(self.mover.header(e), page))
+            finally:
+                self.io.end_load(ticket)
         return out
 
     def import_records(self, records: Sequence[tuple[RecordHeader, bytes]]) -> int:
@@ -329,7 +435,7 @@ class TieredStore(WarmSharing):
         leave = {"warm": ("hot",), "cold": ("hot", "warm"), None: ("hot", "warm", "cold")}[to]
         with self._lock:
             entries = sorted((e for e in map(self.index.get, keys) if e is not None), key=lambda e: -e.depth)
-            return self.mover.evict_entries(entries, leave)
+        return self._evict(entries, leave)
 
     def flush(self, tier: str) -> int:
         """Move every page that may leave `tier` one tier down (out of the store, for cold)."""
@@ -337,31 +443,114 @@ class TieredStore(WarmSharing):
             raise KVStoreError(f"flush: tier = {tier!r}: must be one of {', '.join(TIERS)}")
         with self._lock:
             entries = sorted(self.index.in_tier(tier), key=lambda e: -e.depth)
-            return self.mover.evict_entries(entries, (tier,))
+        return self._evict(entries, (tier,))
+
+    def _in(self, e: PageEntry, tier: str) -> bool:
+        return e.hot is not None if tier == "hot" else e.warm is not None if tier == "warm" else e.cold
+
+    def _evict(self, entries: list[PageEntry], tiers: tuple[str, ...]) -> int:
+        """Demote each entry out of each of `tiers` where it may leave; returns how many copies left.
+        A page with nowhere lower to go in memory is written to cold first (outside the lock)."""
+        moved = 0
+        for tier in tiers:
+            if tier == "cold":
+                with self._lock:
+                    now = self.index.now()
+                    keys = []
+                    for e in entries:   # deepest first: a parent may become a leaf as its children go
+                        if e.key in self.index and e.cold and self.mover.evictable(e, "cold", now):
+                            self.mover.remove_copies([e], "cold")
+                            keys.append(e.key)
+                self.io.drop_cold(keys)
+                moved += len(keys)
+                continue
+            with self._lock:
+                now = self.index.now()
+                live = [e for e in entries if e.key in self.index and self._in(e, tier)
+                        and self.mover.evictable(e, tier, now)]
+                other = "warm" if tier == "hot" else "hot"
+                needs_disk = [e for e in live if not e.cold and getattr(e, other) is None
+                              and not (tier == "hot" and self.warm.pool.num_free)]
+            if self.cold is not None:
+                self.io.persist(needs_disk)
+            with self._lock:
+                now = self.index.now()
+                for e in live:
+                    if e.key in self.index and self._in(e, tier) and self.mover.evictable(e, tier, now):
+                        moved += self.mover.demote([e], tier)
+        return moved
 
     # the daemon's periodic work
     def rebalance(self) -> dict[str, int]:
-        """Bring each tier above its high watermark down to its low watermark; trim the index."""
-        moved = {}
-        with self._lock:
-            for tier, cfg, pool in (("hot", self.config.hot, self.hot.pool), ("warm", self.config.warm, self.warm.pool)):
-                moved[tier] = 0
+        """Bring each tier above its high watermark down to its low watermark; trim the index.
+
+        Hot demotes at memory speed; warm frees clean pages at once and writes dirty ones behind
+        (outside the lock) before freeing them; cold deletes leaves. For worker threads."""
+        moved = {"hot": 0, "warm": 0, "cold": 0}
+        with self._maintenance:
+            with self._lock:
+                pool, cfg, victims = self.hot.pool, self.config.hot, []
                 if pool.num_slots and pool.num_used > cfg.high_watermark * pool.num_slots:
                     target = int(cfg.low_watermark * pool.num_slots)
-                    moved[tier] = self.mover.demote(self.mover.victims(tier, pool.num_used - target), tier)
-            moved["cold"] = 0
-            if self.cold is not None and self.cold.used_bytes > self.config.cold.high_watermark * self.cold.capacity_bytes:
-                before = self.cold.num_pages
-                self.mover.make_room_cold(self.cold.used_bytes - int(self.config.cold.low_watermark
-                                                                     * self.cold.capacity_bytes))
-                moved["cold"] = before - self.cold.num_pages
+                    victims = self.mover.victims("hot", pool.num_used - target)
+                    moved["hot"] = self.mover.demote(victims, "hot", drop=self.cold is None)
+            moved["hot"] += self._write_behind(victims if moved["hot"] < len(victims) else [], "hot")
+            with self._lock:
+                pool, cfg = self.warm.pool, self.config.warm
+                victims = []
+                if pool.num_slots and pool.num_used > cfg.high_watermark * pool.num_slots:
+                    victims = self.mover.victims("warm", pool.num_used - int(cfg.low_watermark * pool.num_slots))
+                    moved["warm"] = self.mover.demote(victims, "warm", drop=self.cold is None)
+            moved["warm"] += self._write_behind(victims if moved["warm"] < len(victims) else [], "warm")
+            if self.cold is not None:
+                with self._lock:
+                    keys = []
+                    if self.cold.used_bytes > self.config.cold.high_watermark * self.cold.capacity_bytes:
+                        keys, _ = self.mover.cold_victims(self.cold.used_bytes - int(
+                            self.config.cold.low_watermark * self.cold.capacity_bytes))
+                self.io.drop_cold(keys)
+                moved["cold"] = len(keys)
+            if self.config.write_policy == "write_through" and self.write_through_pending:
+                self.write_through()
+            self._trim_index()
+        return moved
+
+    def clean_warm(self, n: int) -> int:
+        """Free up to n warm slots now, writing dirty pages behind first (blocks: worker threads)."""
+        with self._maintenance:   # after any write-behind in flight
+            with self._lock:
+                victims = self.mover.victims("warm", n)
+                freed = self.mover.demote(victims, "warm", drop=self.cold is None)
+            return freed + self._write_behind(victims, "warm")
+
+    def _write_behind(self, victims: list[PageEntry], tier: str) -> int:
+        """Write the victims still in `tier` (dirty: no lower copy) to cold, then free them there."""
+        with self._lock:
+            dirty = [e for e in victims if e.key in self.index and self._in(e, tier)]
+        if not dirty or self.cold is None:
+            return 0
+        self.io.persist(sorted(dirty, key=lambda e: e.depth))
+        with self._lock:
+            now = self.index.now()
+            clean = [e for e in dirty if e.key in self.index and self._in(e, tier) and e.cold
+                     and self.mover.evictable(e, tier, now)]
+            return self.mover.demote(clean, tier)
+
+    def _trim_index(self) -> None:
+        """Drop the oldest unreferenced leaves past prefix_cache_max_entries."""
+        with self._lock:
             over = len(self.index) - self.config.prefix_cache_max_entries
+            keys = []
             if over > 0:
                 now = self.index.now()
-                leaves = [e for e in self.index.entries.values() if not e.kids and not e.refcount and not e.pinned(now)]
-                for e in sorted(leaves, key=lambda e: e.last_access)[:over]:
-                    self.mover.evict_entries([e], TIERS)
-        return moved
+                for e in self.index.oldest_leaves(over, lambda e: not (e.refcount or e.leases or e.writing
+                                                                       or e.pinned(now))):
+                    for tier in TIERS:
+                        if self._in(e, tier):
+                            self.mover.remove_copies([e], tier)
+                            if tier == "cold":
+                                keys.append(e.key)
+        self.io.drop_cold(keys)
 
     def write_through(self, limit: int = 256) -> int:
         """Copy committed pages down now (write_through policy), so that evicting them is a free."""
@@ -376,8 +565,8 @@ class TieredStore(WarmSharing):
                 for e, s in zip(to_warm, slots):
                     self.index.set_warm(e, s)
                     self._emit("add", e.key, "warm")
-            self.mover.write_cold([e for e in entries if not e.cold], make_room=True)
-            return len(entries)
+        self.io.persist([e for e in entries if not e.cold])
+        return len(entries)
 
     # observability
     def residency(self, keys: Sequence[bytes] | None = None) -> dict[bytes, tuple[str, bytes] | None]:
@@ -405,24 +594,32 @@ class TieredStore(WarmSharing):
             tiers["hot"]["allocated_pages"] = len(self._owned)
             tiers["warm"]["allocated_pages"] = len(self._warm_owned)
             tiers["warm"]["leased_pages"] = sum(1 for e in self.index.warm_slots.values() if e.leases)
+            tiers["warm"]["loading_pages"] = len(self.mover.reading)
             return {"page_bytes": self.spec.page_bytes, "spec": self.spec.describe(), "tiers": tiers,
                     "bytes_moved": dict(self.mover.bytes_moved), "entries": len(self.index),
                     "corrupt_pages": self.mover.corrupt_pages, "mismatched_pages": self.mismatched_pages,
+                    "dropped_pages": self.mover.dropped_pages, "cold_write_errors": self.io.write_errors,
+                    "cold_indexing": dict(self.indexing),
                     "eviction_policy": self.mover.policy, "write_policy": self.config.write_policy}
 
-    def audit(self) -> dict:
-        """Check the index against the tiers. `problems` is empty when everything agrees."""
+    def audit(self, cold: bool = True) -> dict:
+        """Check the index against the tiers. `problems` is empty when everything agrees. The cold
+        check reads every record's key (LMDB): `cold=False` skips it (the engine's debug checks)."""
         with self._lock:
             problems = []
             held = {s for s, e in self.index.hot_slots.items()}
             for pool, name, slots in ((self.hot.pool, "hot", held | self._owned),
-                                      (self.warm.pool, "warm", set(self.index.warm_slots) | self._warm_owned)):
+                                      (self.warm.pool, "warm", set(self.index.warm_slots) | self._warm_owned
+                                       | self.mover.reading)):
                 used = {s for s in range(pool.num_slots) if pool.is_used(s)}
                 if used != slots:
                     problems.append(f"{name}: {len(used)} slots used, {len(slots)} accounted for")
             cold_keys = {e.key for e in self.index.in_tier("cold")}
-            if self.cold is not None and set(self.cold.sizes) != cold_keys | self.mover.unindexed:
-                problems.append("cold: records and index disagree")
+            if cold and self.cold is not None:
+                records = set(self.cold.sizes())
+                in_flight = self.mover.deleting | {e.key for e in self.index.entries.values() if e.writing}
+                if not cold_keys <= records or not records <= cold_keys | self.mover.unindexed | in_flight:
+                    problems.append("cold: records and index disagree")
             for tier in (self.hot, self.warm, self.cold):
                 if tier is not None and tier.used_bytes > tier.capacity_bytes:
                     problems.append(f"{tier.name}: {tier.used_bytes} bytes used > {tier.capacity_bytes}")

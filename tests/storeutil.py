@@ -27,7 +27,16 @@ def make_config(data_dir, hot=8, warm=8, cold=32, **overrides):
 
 
 def make_store(data_dir, **kw) -> TieredStore:
-    return TieredStore(make_config(data_dir, **kw))
+    """A store whose cold tier is indexed (opening indexes it in the background)."""
+    s = TieredStore(make_config(data_dir, **kw))
+    s.wait_indexed()
+    return s
+
+
+def hold(store: TieredStore, keys) -> list[int]:
+    """Hot slots of a cached chain, loading its cold pages first (acquire alone never reads the disk)."""
+    store.promote(keys, "warm")
+    return store.acquire(keys)
 
 
 def page_content(seed: int) -> torch.Tensor:
@@ -44,7 +53,7 @@ def fill_and_commit(store: TieredStore, ns, tokens: list[int], start: int = 0):
     """Compute (here: write deterministic content for) the pages after the cached prefix; returns
     (all slots held, keys). Content of page i depends only on its key, as real KV would."""
     m = store.match(tokens, ns)
-    held = store.acquire(m.keys)
+    held = hold(store, m.keys)
     n = len(tokens) // SPEC.page_size - len(held)
     fresh = store.allocate(n) if n > 0 else []
     slots = held + fresh

@@ -14,7 +14,7 @@ from kvstore.errors import KVStoreError, OutOfCapacity
 from kvstore.keys import Namespace, page_keys, tokens_bytes
 from kvstore.record import RecordHeader, encode_bytes
 from kvstore.spec import KVSpec
-from storeutil import SPEC, expected_page, fill_and_commit, make_store, tokens_for
+from storeutil import SPEC, expected_page, fill_and_commit, hold, make_store, tokens_for
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_demote_to_cold_and_promote_back_is_byte_identical(store):
     store.evict(keys, to="cold")
     m = store.match(tokens, ns)
     assert m.tiers == ["cold"] * 6 and m.num_tokens == 6 * SPEC.page_size
-    got = store.acquire(m.keys)
+    got = hold(store, m.keys)
     assert len(got) == 6 and held_pages_match(store, got, keys)
     store.release(got)
     st = store.stats()
@@ -123,7 +123,7 @@ def test_flipped_byte_in_cold_record_is_a_counted_miss_and_fsck_reports_it(tmp_p
     try:
         m = s.match(tokens, ns)
         assert m.num_pages == 4  # the index knows the key; the bytes are checked on load
-        got = s.acquire(m.keys)
+        got = hold(s, m.keys)
         assert len(got) == 2 and held_pages_match(s, got, keys[:2])
         assert s.stats()["corrupt_pages"] == 1
         assert s.stats()["tiers"]["cold"]["misses"] == 1
@@ -143,12 +143,12 @@ def test_reopen_in_new_process_serves_same_pages(tmp_path):
     code = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
-        from storeutil import make_store, tokens_for, expected_page
+        from storeutil import make_store, hold, tokens_for, expected_page
         s = make_store({str(tmp_path)!r})
         ns = s.namespace()
         tokens = tokens_for(7, 5)
         m = s.match(tokens, ns)
-        got = s.acquire(m.keys)
+        got = hold(s, m.keys)
         ok = len(got) == 5 and all(torch.equal(s.hot.read_page(g), expected_page(k)) for g, k in zip(got, m.keys))
         print(m.tiers, ok)
         s.release(got)
@@ -178,6 +178,8 @@ def test_released_pages_stay_cached_and_tail_goes_first(tmp_path):
         slots, keys = fill_and_commit(s, ns, tokens)
         s.release(slots)
         assert s.match(tokens, ns).tiers == ["hot"] * 4
+        s.rebalance()   # the daemon's round: above the high watermark, the tail is written behind to cold
+        assert s.match(tokens, ns).tiers == ["hot", "hot", "hot", "cold"]
         fresh = s.allocate(1)  # one cached page must go: the tail
         assert s.match(tokens, ns).tiers == ["hot", "hot", "hot", "cold"]
         s.release(fresh)
@@ -253,7 +255,7 @@ def test_every_policy_keeps_the_invariants(tmp_path, policy):
             assert s.audit()["problems"] == []
         for doc in range(10):
             m = s.match(tokens_for(doc, 3), ns)
-            got = s.acquire(m.keys)
+            got = hold(s, m.keys)
             assert held_pages_match(s, got, m.keys)
             s.release(got)
     finally:
@@ -271,5 +273,32 @@ def test_write_through_copies_committed_pages_down(tmp_path):
         moved_before = dict(s.stats()["bytes_moved"])
         s.evict(keys, to="cold")  # only frees: copies exist already
         assert s.stats()["bytes_moved"] == moved_before
+    finally:
+        s.close(persist=False)
+
+
+def test_open_serves_at_once_and_indexes_cold_in_the_background(tmp_path):
+    from kvstore.store import TieredStore
+    from storeutil import make_config
+    s = make_store(tmp_path, hot=8, warm=8, cold=64)
+    ns = s.namespace()
+    chains = [tokens_for(40 + d, 4) for d in range(6)]
+    for tokens in chains:
+        slots, _ = fill_and_commit(s, ns, tokens)
+        s.release(slots)
+        s.rebalance()   # the daemon's round: writes behind what no longer fits in memory
+    s.close(persist=True)
+    s = TieredStore(make_config(tmp_path, hot=8, warm=8, cold=64))
+    try:
+        slots = s.allocate(2)          # usable before the index is complete
+        s.release(slots)
+        assert s.wait_indexed(30) and s.indexing == {"done": True, "pages": 24}
+        for tokens in chains:
+            m = s.match(tokens, ns)
+            assert m.tiers == ["cold"] * 4
+            got = hold(s, m.keys)
+            assert held_pages_match(s, got, m.keys)
+            s.release(got)
+        assert s.audit()["problems"] == []
     finally:
         s.close(persist=False)

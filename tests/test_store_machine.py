@@ -115,6 +115,7 @@ class StoreMachine(RuleBasedStateMachine):
         if self.store is None:
             return
         s = self.store
+        s.io.drain()   # background write-behind kicked by this step: let it land before checking
         for tier in (s.hot, s.warm, s.cold):
             assert tier.used_bytes <= tier.capacity_bytes, f"{tier.name} over its bytes"
         assert s.audit()["problems"] == []

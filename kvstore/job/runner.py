@@ -181,6 +181,8 @@ class EngineRunner(JobRunner):
         super().__init__(settings, on_document, progress, session, llm.store.spec.page_size)
         self.llm, self.store = llm, llm.store
         self.prefetch = prefetch
+        if prefetch:   # a job plans its prefetches from the cold tier's index: let it finish first
+            self.store.wait_indexed()
         self.sample_every = max(1, sample_every)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-job-prefetch")
 

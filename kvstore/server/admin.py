@@ -71,13 +71,14 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    checks = {"store": state.store is not None,   # the store indexes its cold tier when it is built
+    checks = {"store": state.store is not None,
               "engine": bool(getattr(state.engine, "ready", True)),
               "accepting": not state.draining}
     ready = all(checks.values())
     cluster = request.app.get(CLUSTER)
     return web.json_response({"ready": ready, "checks": checks,
-                              "cluster": cluster.index.state if cluster else "disabled"},
+                              "cluster": cluster.index.state if cluster else "disabled",
+                              "cold_index": dict(state.store.indexing)},
                              status=200 if ready else 503)
 
 

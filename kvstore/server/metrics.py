@@ -72,12 +72,20 @@ class StoreCollector(Collector):
                                   value=stats["corrupt_pages"])
         yield CounterMetricFamily("kvstore_mismatched_pages", "Lookups whose page did not match the request's "
                                   "tokens", value=stats["mismatched_pages"])
+        yield CounterMetricFamily("kvstore_dropped_pages", "Cached pages that left the store for lack of room "
+                                  "(no lower tier could take them at once)", value=stats["dropped_pages"])
+        yield CounterMetricFamily("kvstore_cold_write_errors", "Write-behind batches the cold tier refused "
+                                  "(disk or map full); their pages stayed in memory", value=stats["cold_write_errors"])
+        yield GaugeMetricFamily("kvstore_cold_index_done", "1 once the cold tier's records are all indexed "
+                                "after a start", value=1 if stats["cold_indexing"]["done"] else 0)
         yield GaugeMetricFamily("kvstore_index_entries", "Pages in the index", value=stats["entries"])
         queue = engine_stats(self.engine) or {}
         yield GaugeMetricFamily("kvstore_queue_depth", "Requests waiting for the engine",
                                 value=queue.get("waiting", 0))
         yield GaugeMetricFamily("kvstore_running_requests", "Requests the engine is running",
                                 value=queue.get("running", 0))
+        yield GaugeMetricFamily("kvstore_loading_requests", "Requests waiting for their cached prefix to come "
+                                "up from cold", value=queue.get("loading", 0))
         if self.cluster is not None:
             c = self.cluster.stats()
             yield GaugeMetricFamily("kvstore_cluster_connected", "1 while the Redis prefix index is reachable",

@@ -20,6 +20,7 @@ from kvstore.config import Config
 from kvstore.daemon import Daemon
 from kvstore.server.admin import admin_url, create_admin_app, set_draining, start_admin
 from kvstore.server.metrics import Metrics
+from kvstore.store import INDEX_WAIT_S
 
 SHUTDOWN_GRACE_S = 5.0
 
@@ -32,6 +33,7 @@ async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> Non
 
     llm = LLM(config.model, config=config)
     store = llm.store
+    store.wait_indexed(INDEX_WAIT_S)   # a small cold tier is indexed before the first request; a large one meanwhile
     daemon = await Daemon(store).start()
     metrics = Metrics(store, llm)
     engine = AsyncLLM(llm, on_finish=lambda o: metrics.observe_request(o.ttft_s, o.latency_s,

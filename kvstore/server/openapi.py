@@ -56,12 +56,17 @@ SCHEMAS = {
     "Error": _obj({"error": {"type": "string", "description": "what went wrong, one line"}}),
     "Health": _obj({"status": {"const": "ok"}}),
     "Ready": _obj({"ready": {"type": "boolean"},
-                   "checks": _obj({"store": {"type": "boolean", "description": "the cold tier is indexed"},
+                   "checks": _obj({"store": {"type": "boolean", "description": "the store is open"},
                                    "engine": {"type": "boolean", "description": "the engine's warm-up is done"},
                                    "accepting": {"type": "boolean", "description": "not draining"}}),
                    "cluster": {"enum": ["connected", "disconnected", "disabled"],
                                "description": "the cross-instance index (disconnected: local-only mode, "
-                                              "still ready)"}}),
+                                              "still ready)"},
+                   "cold_index": _obj({"done": {"type": "boolean"},
+                                       "pages": {**_int(), "description": "cold records indexed so far"}},
+                                      description="the cold tier is indexed in the background after a start; "
+                                                  "the store serves meanwhile (cold pages appear as they are "
+                                                  "indexed), so this does not hold readiness back")}),
     "TierStats": _obj({
         "capacity_bytes": _int(), "used_bytes": _int(), "pages": _int(), "referenced_pages": _int(),
         "pinned_pages": _int(), "allocated_pages": _int(),
@@ -178,7 +183,8 @@ def _post(summary: str, request: str, result: str, *codes: int) -> dict:
 
 PATHS = {
     "/healthz": _get("liveness: 200 while the process serves", _json("Health"), security=_OPEN),
-    "/readyz": {"get": {"summary": "readiness: the cold tier indexed and the engine warmed up", "security": _OPEN,
+    "/readyz": {"get": {"summary": "readiness: the store open and the engine warmed up (and how far the cold "
+                                   "tier's background indexing is)", "security": _OPEN,
                         "responses": {"200": _json("Ready"), "503": _json("Ready", "not ready")}}},
     "/": _get("the dashboard (HTML; asks for the token and sends it on its data requests)",
               {"description": "OK", "content": {"text/html": {"schema": {"type": "string"}}}}, security=_OPEN),

@@ -34,7 +34,7 @@ from kvstore.config import Config, format_size
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.protocol import one_line
 from kvstore.server.sidecar_server import BYTES_FRAME_BYTES, SidecarServer
-from kvstore.store import TieredStore
+from kvstore.store import INDEX_WAIT_S, TieredStore
 from kvstore.tiers.buffers import keep_write_buffers
 
 log = logging.getLogger("kvstore.sidecar")
@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = config.sidecar_socket.absolute()
     claim_socket(path)
-    store = TieredStore(config)   # indexes the cold tier
+    store = TieredStore(config)
+    store.wait_indexed(INDEX_WAIT_S)   # a small cold tier is indexed before the first client; a large one meanwhile
     code = 1
     try:
         if store.warm.num_slots < 1:

@@ -167,7 +167,7 @@ async def test_health_and_readiness(admin):
     assert await admin.get("/healthz") == (200, {"status": "ok"})
     status, ready = await admin.get("/readyz")
     assert status == 200 and ready == {"ready": True, "checks": {"store": True, "engine": True, "accepting": True},
-                                       "cluster": "disabled"}
+                                       "cluster": "disabled", "cold_index": {"done": True, "pages": 0}}
     set_draining(admin.app)
     status, ready = await admin.get("/readyz")
     assert status == 503 and ready["ready"] is False and ready["checks"]["accepting"] is False

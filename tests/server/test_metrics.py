@@ -24,7 +24,8 @@ FAMILIES = {  # name as the parser reports it -> type
     "kvstore_tier_promotions": "counter", "kvstore_bytes_moved": "counter", "kvstore_corrupt_pages": "counter",
     "kvstore_queue_depth": "gauge", "kvstore_running_requests": "gauge", "kvstore_prefetch_seconds": "histogram",
     "kvstore_request_latency_seconds": "histogram", "kvstore_ttft_seconds": "histogram",
-    "kvstore_requests": "counter",
+    "kvstore_requests": "counter", "kvstore_dropped_pages": "counter", "kvstore_cold_write_errors": "counter",
+    "kvstore_cold_index_done": "gauge", "kvstore_loading_requests": "gauge",
 }
 
 
