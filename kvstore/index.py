@@ -242,12 +242,13 @@ class PageIndex:
         `keys`, in chunks that share `done` (key -> depth found so far)."""
         done = {} if done is None else done
         for e in (self.entries.values() if keys is None else filter(None, map(self.entries.get, keys))):
-            chain = []
+            chain, seen = [], set()
             cur = e
-            while cur is not None and cur.key not in done:
+            while cur is not None and cur.key not in done and cur.key not in seen:   # a forged cycle ends too
                 chain.append(cur)
+                seen.add(cur.key)
                 cur = self.entries.get(cur.parent)
-            d = done[cur.key] + 1 if cur is not None else 0
+            d = done[cur.key] + 1 if cur is not None and cur.key in done else 0
             for c in reversed(chain):
                 if c.depth != d:
                     c.depth = d
