@@ -30,7 +30,7 @@ import time
 
 from kvstore.config import Config
 from kvstore.errors import OutOfCapacity
-from kvstore.store import TieredStore
+from kvstore.store import Match, TieredStore
 
 from engine.request import QueueFull, Request, Status
 
@@ -134,8 +134,7 @@ class Scheduler:
             req.stuck_since = now
             for r in self.waiting:
                 if r.handle is not None and r.handle.ticket is not None:
-                    r.handle.end_load()
-                    r.load_tried = False
+                    r.handle.end_load()   # they compute what did not come up
         self.store.io.kick()
         return now - req.stuck_since > STUCK_LIMIT_S
 
@@ -244,9 +243,7 @@ class Scheduler:
                 req.cached_tokens["peer" if i in req.peer_pages else tier] += self.page_size
             req.admitted = True
         n = self._chunk(req, budget)
-        try:
-            h.grow(self._pages(req.num_computed + n))
-        except OutOfCapacity:
+        if not self._grow_new(req, n):
             h.release()
             req.num_computed = 0
             return 0
@@ -254,21 +251,37 @@ class Scheduler:
         self.running.append(req)
         return n
 
+    def _grow_new(self, req: Request, n: int) -> bool:
+        """_grow for a request being admitted: it preempts nobody, but alone it spills its head."""
+        pages = self._pages(req.num_computed + n)
+        while True:
+            try:
+                req.handle.grow(pages)
+                return True
+            except OutOfCapacity:
+                if self.running or not self._spill(req, pages - req.handle.num_pages):
+                    return False
+
     def _attach(self, req: Request, m) -> bool:
-        """Hold req's cached prefix; a request that would run alone and cannot fit in hot leases its
-        oldest pages in warm instead."""
+        """Hold req's cached prefix. A request that would run alone and cannot fit lets go of its
+        load's warm pages (they stay cached), then leases its oldest pages in warm (spill), and
+        failing that holds nothing and recomputes its prefix: alone, it always starts."""
         try:
             req.handle.attach(m)
             return True
         except OutOfCapacity:
-            if not self.can_spill or self.running:
+            if self.running:
                 return False
-        room = max(self.store.hot_budget() - max(1, self.store.hot_pages // 2), 0)
-        try:
-            req.handle.attach(m, spill_room=room)
-            return True
-        except OutOfCapacity:
-            return False
+        req.handle.end_load()
+        if self.can_spill:
+            room = max(self.store.hot_budget() - max(1, self.store.hot_pages // 2), 0)
+            try:
+                req.handle.attach(m, spill_room=room)
+                return True
+            except OutOfCapacity:
+                pass
+        req.handle.attach(Match(m.namespace, m.page_size))
+        return True
 
     # checks (debug mode and tests)
     def check(self) -> list[str]:

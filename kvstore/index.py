@@ -105,6 +105,11 @@ class PageIndex:
         e.last_access = self.tick()
         self._requeue(e)
 
+    def changed(self, e: PageEntry) -> None:
+        """e may leave a tier now that it could not before (a lease or a write ended): queue it again,
+        without counting it as used."""
+        self._requeue(e)
+
     def add(self, e: PageEntry) -> PageEntry:
         if e.key in self.entries:
             raise KeyError("page already indexed")

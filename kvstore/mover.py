@@ -91,6 +91,7 @@ class PageMover:
             room = self.make_room("hot", 1)
         finally:
             e.leases -= 1
+            self.index.changed(e)
         if not room:
             raise OutOfCapacity(f"out of KV capacity: cannot promote a page, all {self.hot.num_pages} "
                                 "hot pages are referenced, pinned or allocated")
@@ -199,6 +200,7 @@ class PageMover:
         done = []
         for e in plan.entries:
             e.writing = False
+            self.index.changed(e)
             if not ok:
                 continue
             direction = "warm_to_cold" if e.warm is not None else "hot_to_cold"

@@ -170,6 +170,7 @@ class PageIO:
             while not fits and plan.entries:   # keep the chain's head: drop from the tail
                 for e in plan.entries[len(plan.entries) // 2:]:
                     e.writing = False
+                    mover.index.changed(e)
                 half = len(plan.entries) // 2
                 plan.entries, plan.items = plan.entries[:half], plan.items[:half]
                 plan.nbytes = sum(mover.record_bytes(e) for e in plan.entries)
