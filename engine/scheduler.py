@@ -126,15 +126,15 @@ class Scheduler:
         req.stuck_since = None
 
     def stuck(self, req: Request) -> bool:
-        """req runs alone (or would) and gets no page. The first time, relieve the pressure: loads of
-        waiting requests give their warm pages back and the background writes dirty pages behind
+        """req runs alone (or would) and gets no page. Relieve the pressure: the loads of other
+        requests give their warm pages back and the background writes dirty pages behind
         so that they can be freed. True once it has been stuck for STUCK_LIMIT_S."""
         now = time.monotonic()
         if req.stuck_since is None:
             req.stuck_since = now
-            for r in self.waiting:
-                if r.handle is not None and r.handle.ticket is not None:
-                    r.handle.end_load()   # they compute what did not come up
+        for r in self.waiting + self.loading:
+            if r is not req and r.handle is not None and r.handle.ticket is not None:
+                r.handle.end_load()   # they compute what did not come up
         self.store.io.kick()
         return now - req.stuck_since > STUCK_LIMIT_S
 
@@ -221,7 +221,9 @@ class Scheduler:
         m = h.match(req.tokens[:len(req.tokens) - 1])  # always compute the last token
         if not req.load_tried and not h.loading:
             req.load_tried = True
-            if h.load(m) and self.prefetch.policy != "best_effort":
+            if h.load(m) and self.prefetch.policy == "best_effort":
+                h.end_load()   # the load warms the cache for later; this request holds none of it
+            elif h.ticket is not None:
                 req.status = Status.LOADING
                 req.load_deadline = (time.monotonic() + self.prefetch.timeout_s if self.prefetch.policy == "timeout"
                                      else float("inf"))

@@ -139,8 +139,8 @@ class PageIO:
                      for e, s in zip(plan.entries, plan.slots)]
         try:
             return store.cold.read_many(ns_tokens)
-        except KVStoreError as exc:   # the tier closed or failed: nothing was served
-            log.warning("cold read failed: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - the tier closed or failed: nothing is served, the slots go back
+            log.warning("cold read of %d pages failed: %s", len(ns_tokens), exc)
             return [False] * len(ns_tokens)
 
     def end_load(self, ticket: LoadTicket) -> None:
@@ -176,18 +176,20 @@ class PageIO:
                 plan.nbytes = sum(mover.record_bytes(e) for e in plan.entries)
                 more, fits = mover.cold_victims(plan.nbytes, {e.key for e in plan.entries})
                 keys += more
-        self.drop_cold(keys)
         ok = False
-        if plan.entries:
-            try:
+        try:
+            self.drop_cold(keys)
+            if plan.entries:
                 store.cold.put_many(plan.items).result()
                 ok = True
-            except KVStoreError as exc:
-                self.write_errors += 1
-                self.last_write_error = str(exc)
-                log.warning("write-behind of %d pages failed: %s", len(plan.entries), exc)
-        with store._lock:
-            return mover.finish_write(plan, ok)
+        except Exception as exc:  # noqa: BLE001 - disk or map full, a closed tier: the pages stay in memory
+            self.write_errors += 1
+            self.last_write_error = str(exc)
+            log.warning("write-behind of %d pages failed: %s", len(plan.entries), exc)
+        finally:
+            with store._lock:
+                done = mover.finish_write(plan, ok)
+        return done
 
     def drop_cold(self, keys: Sequence[bytes]) -> None:
         """Delete cold records (already unindexed), blocking until durable."""

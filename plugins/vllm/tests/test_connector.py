@@ -15,12 +15,21 @@ def rows(results: list[dict], phase: str) -> list[dict]:
     return [r for r in results if r["phase"] == phase and "tokens" in r]
 
 
+# Loaded K/V are byte copies of K/V computed in an earlier, differently shaped batch. On some
+# CPUs vLLM's CPU build computes the same tokens' K/V in another batch with other last bits
+# (seen as logprob differences of about 1e-6), so logprobs agree to rounding, tokens exactly.
+LOGPROB_TOL = 1e-4
+
+
 def assert_same(baseline: list[dict], connector: list[dict], phase: str) -> None:
     a, b = rows(baseline, phase), rows(connector, phase)
     assert len(a) == len(b) > 0
     for x, y in zip(a, b):
         assert x["tokens"] == y["tokens"], (phase, x["i"])
-        assert x["logprobs"] == y["logprobs"], (phase, x["i"])
+        assert len(x["logprobs"]) == len(y["logprobs"]), (phase, x["i"])
+        for la, lb in zip(x["logprobs"], y["logprobs"]):
+            assert la.keys() == lb.keys(), (phase, x["i"], la, lb)
+            assert all(abs(la[t] - lb[t]) <= LOGPROB_TOL for t in la), (phase, x["i"], la, lb)
 
 
 def loaded_lines(log: str) -> list[int]:
