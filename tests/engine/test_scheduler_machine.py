@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -21,7 +22,7 @@ from test_engine import make_llm, prompt_ids
 
 PREFIXES = [prompt_ids(1, 48), prompt_ids(2, 32), prompt_ids(3, 20)]
 PROMPTS = [PREFIXES[i % 3] + prompt_ids(10 + i, 5 + (i * 11) % 23) for i in range(8)]
-PROMPTS.append(prompt_ids(4, 200))   # longer than the hot tier: it runs alone, spilling its head to warm
+PROMPTS.append(prompt_ids(4, 140))   # longer than the hot tier: it runs alone, spilling its head to warm
 MAX_TOKENS = (4, 12, 30)
 def pages_state(llm) -> list:
     """The hot and warm pages' holds and flags, for the failure message of a request that did not run."""
@@ -164,6 +165,6 @@ class EngineMachine(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-EngineMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
+EngineMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=30, deadline=None,
                                            suppress_health_check=list(HealthCheck))
-TestEngineMachine = EngineMachine.TestCase
+TestEngineMachine = pytest.mark.timeout(900)(EngineMachine.TestCase)   # a slow example runs the model a lot
