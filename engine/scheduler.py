@@ -157,22 +157,23 @@ class Scheduler:
                 return
 
     # pages
-    def _grow(self, req: Request, n: int) -> bool:
-        """Give running req the pages for its next n tokens. Under pressure the latest running request
-        is preempted (req itself if it is the latest: then False), or, req alone, its head spilled."""
+    def _grow(self, req: Request, n: int, admitting: bool = False) -> bool:
+        """Give req the pages for its next n tokens. Under pressure a running req preempts the latest
+        running request (itself if it is the latest: then False); a request being admitted preempts
+        nobody; a request alone spills its head to warm."""
         pages = self._pages(req.num_computed + n)
         while True:
             try:
                 req.handle.grow(pages)
                 return True
             except OutOfCapacity:
-                victim = max(self.running, key=self._order)
-                if victim is not req:
+                others = any(r is not req for r in self.running)
+                if others and not admitting:
+                    victim = max(self.running, key=self._order)
                     self.preempt(victim)
-                elif len(self.running) > 1:
-                    self.preempt(req)
-                    return False
-                elif not self._spill(req, pages - req.handle.num_pages):
+                    if victim is req:
+                        return False
+                elif others or not self._spill(req, pages - req.handle.num_pages):
                     return False
 
     def _spill(self, req: Request, n: int) -> int:
@@ -245,24 +246,13 @@ class Scheduler:
                 req.cached_tokens["peer" if i in req.peer_pages else tier] += self.page_size
             req.admitted = True
         n = self._chunk(req, budget)
-        if not self._grow_new(req, n):
+        if not self._grow(req, n, admitting=True):
             h.release()
             req.num_computed = 0
             return 0
         req.status = Status.RUNNING
         self.running.append(req)
         return n
-
-    def _grow_new(self, req: Request, n: int) -> bool:
-        """_grow for a request being admitted: it preempts nobody, but alone it spills its head."""
-        pages = self._pages(req.num_computed + n)
-        while True:
-            try:
-                req.handle.grow(pages)
-                return True
-            except OutOfCapacity:
-                if self.running or not self._spill(req, pages - req.handle.num_pages):
-                    return False
 
     def _attach(self, req: Request, m) -> bool:
         """Hold req's cached prefix. A request that would run alone and cannot fit lets go of its
