@@ -19,3 +19,12 @@ class OutOfCapacity(KVStoreError):
 
 class NotBuilt(KVStoreError):
     """A part of kvstore that this version does not include."""
+
+
+class DamagedStore(KVStoreError):
+    """The cold store's LMDB file is damaged: it cannot be opened or read safely (never mapped
+    blindly: a file cut short would fault). `file` names it, `reason` says what is wrong."""
+
+    def __init__(self, file: str, reason: str, remedy: str = ""):
+        self.file, self.reason = file, reason
+        super().__init__(f"the cold store file {file} is damaged: {reason}" + (f"; {remedy}" if remedy else ""))

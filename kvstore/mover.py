@@ -215,22 +215,34 @@ class PageMover:
 
     def cold_victims(self, nbytes: int, exclude: set | None = None) -> tuple[list[bytes], bool]:
         """Unindex cold records until `nbytes` more fit (damaged ones first); returns the keys to
-        delete (by the caller, outside the lock) and whether that makes enough room."""
+        delete (by the caller, outside the lock) and whether that makes enough room. The room is
+        what cold.max_bytes leaves, or less when the disk (or the map) holds less."""
         if self.cold is None:
             return [], False
-        keys, freed = list(self.unindexed), 0   # damaged records: their size is unknown, count none
+        need = nbytes - self.cold.room_bytes()
+        keys, freed = self._unindex_cold(need, exclude)
+        return keys, freed >= need
+
+    def cold_room(self, nbytes: int, exclude: set | None = None) -> list[bytes]:
+        """Unindex cold records of at least `nbytes` in all, whatever the room looks like: for a disk or
+        map that filled up anyway. Returns the keys to delete (by the caller, outside the lock)."""
+        return self._unindex_cold(nbytes, exclude)[0] if self.cold is not None else []
+
+    def _unindex_cold(self, nbytes: int, exclude: set | None) -> tuple[list[bytes], int]:
+        """Damaged records (size unknown, counted as none), then the cold policy's victims (leaves
+        first) until `nbytes` are freed or none is left; (keys, bytes freed)."""
+        keys, freed = list(self.unindexed), 0
         self.deleting.update(self.unindexed)
         self.unindexed.clear()
-        limit = self.cold.capacity_bytes - self.cold.pending_bytes
-        while self.cold.used_bytes - freed + nbytes > limit:
+        while freed < nbytes:
             victims = self.victims("cold", 8, exclude)
             if not victims:
-                return keys, False
+                break
             for e in victims:
                 freed += self.record_bytes(e)
                 keys.append(e.key)
             self.remove_copies(victims, "cold")
-        return keys, True
+        return keys, freed
 
     # down
     def evictable(self, e: PageEntry, tier: str, now: float) -> bool:

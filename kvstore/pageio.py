@@ -9,6 +9,12 @@
   cold-resident once the commit is durable; `drop_cold` deletes records. `kick()` asks the
   maintenance thread for a `TieredStore.rebalance` (coalesced), which demotes by watermarks
   and writes dirty warm pages behind.
+- a full cold tier: a write refused for lack of room (ColdFull: the disk or LMDB's map filled
+  up before cold.max_bytes) evicts cold's own victims (its eviction policy's order, leaves
+  first) and retries, a few times with more room each; pages that still do not fit stay in
+  memory, dirty. Failures are counted (`write_errors`), logged with a growing interval (the
+  first at once, then at most one line per interval with the count since), and shown by
+  `cold_state()` (the admin API's /readyz and /v1/stats).
 
 Every method brackets its I/O with short critical sections (PageMover's plan/finish halves):
 the engine thread, which only ever takes the lock for memory work, never waits for a disk.
@@ -19,11 +25,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
 from kvstore.errors import KVStoreError
 from kvstore.index import PageEntry
+from kvstore.tiers.disk import ColdFull
 
 if TYPE_CHECKING:
     from kvstore.store import TieredStore
@@ -31,6 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.pageio")
 
 LOAD_BATCH_BYTES = 16 << 20   # pages read per read transaction (and per trip through the lock)
+FULL_RETRIES = 3              # evict-and-retry rounds for a write that found the cold tier full
+LOG_INTERVAL_S = (5.0, 300.0)   # write failures: first and longest interval between log lines
 
 
 class LoadTicket:
@@ -61,8 +71,15 @@ class PageIO:
         self._maint = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-maint")
         self._kicked = False
         self._kick_lock = threading.Lock()
-        self.write_errors = 0
+        self.write_errors = 0           # write-behind batches that failed (pages stayed in memory)
         self.last_write_error = ""
+        self.cold_full = False          # the last write failed for lack of room, even after evicting
+        self.evicted_for_room = 0       # cold records evicted because the disk or map was full
+        self._failing = 0               # failures since the last success
+        self._unlogged = 0              # failures since the last log line
+        self._log_interval = LOG_INTERVAL_S[0]
+        self._next_log = 0.0
+        self._said_disk_bound = False
         self.closed = False
 
     def close(self) -> None:
@@ -167,6 +184,9 @@ class PageIO:
             if not plan.entries:
                 return []
             keys, fits = mover.cold_victims(plan.nbytes, {e.key for e in plan.entries})
+            if store.cold.disk_bound:
+                self._disk_bound(len(keys))
+            planned = len(plan.entries)
             while not fits and plan.entries:   # keep the chain's head: drop from the tail
                 for e in plan.entries[len(plan.entries) // 2:]:
                     e.writing = False
@@ -176,30 +196,94 @@ class PageIO:
                 plan.nbytes = sum(mover.record_bytes(e) for e in plan.entries)
                 more, fits = mover.cold_victims(plan.nbytes, {e.key for e in plan.entries})
                 keys += more
+        if len(plan.entries) < planned:
+            self._write_failed(ColdFull(f"cold tier is full and nothing more in it may be evicted (pinned pages, "
+                                        f"parents of cold pages); {planned - len(plan.entries)} pages not written"),
+                               planned - len(plan.entries), full=True)
         ok = False
         try:
             self.drop_cold(keys)
-            if plan.entries:
-                store.cold.put_many(plan.items).result()
-                ok = True
-        except Exception as exc:  # noqa: BLE001 - disk or map full, a closed tier: the pages stay in memory
-            self.write_errors += 1
-            self.last_write_error = str(exc)
-            log.warning("write-behind of %d pages failed: %s", len(plan.entries), exc)
+            ok = self._write(plan) if plan.entries else False
         finally:
             with store._lock:
                 done = mover.finish_write(plan, ok)
         return done
 
+    def _write(self, plan) -> bool:
+        """put_many the plan; when cold is full, evict cold victims and retry. False: the pages stay in memory."""
+        store = self.store
+        for attempt in range(FULL_RETRIES + 1):
+            try:
+                store.cold.put_many(plan.items).result()
+            except ColdFull as exc:
+                if attempt < FULL_RETRIES and self._make_room(plan, (attempt + 1) * plan.nbytes):
+                    continue
+                self._write_failed(exc, len(plan.entries), full=True)
+                return False
+            except Exception as exc:  # noqa: BLE001 - a disk error, a closed tier: the pages stay in memory
+                self._write_failed(exc, len(plan.entries), full=False)
+                return False
+            if self._failing:
+                log.info("cold tier writes succeed again after %d failed write-behind batches", self._failing)
+            self._failing, self._unlogged, self.cold_full = 0, 0, False
+            self._log_interval = LOG_INTERVAL_S[0]
+            return True
+        return False
+
+    def _disk_bound(self, evicted: int) -> None:
+        """Cold evicts for its disk, not for cold.max_bytes: counted, and said once."""
+        self.evicted_for_room += evicted
+        if evicted and not self._said_disk_bound:
+            self._said_disk_bound = True
+            cold = self.store.cold
+            log.warning("cold tier at %s: its disk (free space, cold.map_size_max) holds less than cold.max_bytes "
+                        "= %d; it evicts at the disk's limit (%d bytes used)", cold.path, cold.max_bytes,
+                        cold.used_bytes)
+
+    def _make_room(self, plan, nbytes: int) -> bool:
+        """Evict cold records of about `nbytes` (the cold policy's victims); False when none can go."""
+        with self.store._lock:
+            keys = self.store.mover.cold_room(nbytes, {e.key for e in plan.entries})
+        if not keys:
+            return False
+        self.evicted_for_room += len(keys)
+        self.drop_cold(keys)
+        return True
+
+    def _write_failed(self, exc: BaseException, pages: int, full: bool) -> None:
+        self.write_errors += 1
+        self.last_write_error = " ".join(str(exc).split()) or type(exc).__name__
+        self.cold_full = full
+        self._failing += 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if now < self._next_log:
+            return
+        since = f" ({self._unlogged} failed batches since the last report)" if self._unlogged > 1 else ""
+        log.warning("write-behind to cold failed%s: %s; %d pages stay in memory%s", " (full)" if full else "",
+                    self.last_write_error, pages, since)
+        self._unlogged = 0
+        self._next_log = now + self._log_interval
+        self._log_interval = min(2 * self._log_interval, LOG_INTERVAL_S[1])
+
+    def cold_state(self) -> dict:
+        """The cold tier's write health: failed batches, the last error, whether it is full."""
+        return {"write_errors": self.write_errors, "last_error": self.last_write_error, "full": self.cold_full,
+                "evicted_for_room": self.evicted_for_room}
+
     def drop_cold(self, keys: Sequence[bytes]) -> None:
         """Delete cold records (already unindexed), blocking until durable."""
         if keys and self.store.cold is not None:
+            failed = False
             try:
                 self.store.cold.delete_many(keys).result()
             except KVStoreError as exc:
+                failed = True
                 log.warning("deleting %d cold records failed: %s", len(keys), exc)
             with self.store._lock:
                 self.store.mover.deleting.difference_update(keys)
+                if failed:   # still stored, no longer indexed: deleted first next time cold needs room
+                    self.store.mover.unindexed.update(keys)
 
     def drain(self) -> None:
         """Wait until the background work queued so far is done (tests, shutdown)."""

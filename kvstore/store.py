@@ -18,7 +18,10 @@ touch the disk. Disk work (loads, write-behind, cold eviction) runs in PageIO (p
 outside the lock, on its own threads, or on the caller's thread for the blocking methods meant
 for worker threads (promote, lease_warm, evict, flush, rebalance, export_records, close).
 Opening the store indexes the cold tier in the background: pages become visible as they are
-indexed (`indexing` says how far it is).
+indexed (`indexing` says how far it is). A store with a cold tier or a shared warm tier owns
+its data directory (DataDir: private modes, an exclusive lock, the warm segment's name) until
+closed. A damaged cold store (DamagedStore) stops the store from opening, unless
+cold.on_damage is quarantine: then it is moved aside and the tier starts empty.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from kvstore.config import Config
-from kvstore.errors import KVStoreError, OutOfCapacity
+from kvstore.datadir import DataDir
+from kvstore.errors import DamagedStore, KVStoreError, OutOfCapacity
 from kvstore.handle import CacheHandle
 from kvstore.index import PageEntry, PageIndex
 from kvstore.keys import Namespace, page_keys, tokens_bytes
@@ -43,7 +47,7 @@ from kvstore.record import RecordHeader
 from kvstore.sharing import WarmSharing
 from kvstore.spec import KVSpec
 from kvstore.tiers.device import DeviceTier, resolve_device
-from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk import DiskTier, set_aside
 from kvstore.tiers.host import HostTier
 
 Listener = Callable[[str, bytes, str], None]   # (event "add" | "remove", key, tier)
@@ -93,11 +97,22 @@ class TieredStore(WarmSharing):
         if pool_bytes < self.spec.page_bytes:
             raise KVStoreError(f"hot.pool ({pool_bytes} bytes) is smaller than one page "
                                f"({self.spec.describe()})")
-        self.hot = DeviceTier(self.spec, pool_bytes // self.spec.page_bytes, device)
-        self.warm = HostTier(self.spec, config.warm.bytes // self.spec.page_bytes,
-                             shared=config.warm.shared_memory)
-        self.cold = (DiskTier(config.cold_path, self.spec, config.cold.max_bytes, config.cold_map_size_max,
-                              config.cold.write_batch) if config.cold.enabled else None)
+        self.data_dir = (DataDir(config.data_dir).lock() if config.cold.enabled or config.warm.shared_memory
+                         else None)
+        self.hot = self.warm = self.cold = None
+        try:
+            self.cold = self._open_cold() if config.cold.enabled else None
+            self.hot = DeviceTier(self.spec, pool_bytes // self.spec.page_bytes, device)
+            self.warm = HostTier(self.spec, config.warm.bytes // self.spec.page_bytes,
+                                 shared=config.warm.shared_memory,
+                                 shm_name=self.data_dir.shm_name if self.data_dir else None)
+        except BaseException:
+            for tier in (self.cold, self.hot):
+                if tier is not None:
+                    tier.close()
+            if self.data_dir is not None:
+                self.data_dir.unlock()
+            raise
         self.index = PageIndex(config.eviction_policy)
         self._lock = threading.RLock()
         self._owned: set[int] = set()   # hot slots allocated to callers and not committed
@@ -118,6 +133,21 @@ class TieredStore(WarmSharing):
             self._indexer.start()
 
     # lifecycle
+    def _open_cold(self) -> DiskTier:
+        """The cold tier; a damaged store is refused, or set aside under cold.on_damage = quarantine."""
+        cfg = self.config
+        args = (cfg.cold_path, self.spec, cfg.cold.max_bytes, cfg.cold_map_size_max, cfg.cold.write_batch)
+        try:
+            return DiskTier(*args)
+        except DamagedStore as exc:
+            if cfg.cold.on_damage != "quarantine":
+                raise
+            aside, pages = set_aside(str(cfg.cold_path))
+            log.error("the cold store at %s is damaged (%s): cold.on_damage is quarantine, so it was moved to %s "
+                      "with %s pages set aside; the cold tier starts empty", cfg.cold_path, exc.reason, aside,
+                      "its" if pages is None else pages)
+        return DiskTier(*args)
+
     def _index_cold(self) -> None:
         """Index the cold tier's records, a chunk per trip through the lock, while the store serves."""
         chunk: list = []
@@ -177,6 +207,8 @@ class TieredStore(WarmSharing):
             for tier in (self.cold, self.warm, self.hot):
                 if tier is not None:
                     tier.close()
+        if self.data_dir is not None:
+            self.data_dir.unlock()
 
     def __enter__(self) -> "TieredStore":
         return self
@@ -475,9 +507,9 @@ class TieredStore(WarmSharing):
                 self.io.persist(needs_disk)
             with self._lock:
                 now = self.index.now()
-                for e in live:
+                for e in live:   # a page the cold tier could not take stays (dirty), never dropped
                     if e.key in self.index and self._in(e, tier) and self.mover.evictable(e, tier, now):
-                        moved += self.mover.demote([e], tier)
+                        moved += self.mover.demote([e], tier, drop=self.cold is None)
         return moved
 
     # the daemon's periodic work
@@ -584,8 +616,8 @@ class TieredStore(WarmSharing):
                                     ("cold", self.cold, self.config.cold)):
                 entries = list(self.index.in_tier(name))
                 tiers[name] = {
-                    "capacity_bytes": tier.capacity_bytes if tier else 0,
-                    "used_bytes": tier.used_bytes if tier else 0,
+                    "capacity_bytes": tier.capacity_bytes if tier is not None else 0,
+                    "used_bytes": tier.used_bytes if tier is not None else 0,
                     "pages": len(entries),
                     "referenced_pages": sum(1 for e in entries if e.refcount),
                     "pinned_pages": sum(1 for e in entries if e.pinned(now)),
@@ -599,8 +631,15 @@ class TieredStore(WarmSharing):
                     "bytes_moved": dict(self.mover.bytes_moved), "entries": len(self.index),
                     "corrupt_pages": self.mover.corrupt_pages, "mismatched_pages": self.mismatched_pages,
                     "dropped_pages": self.mover.dropped_pages, "cold_write_errors": self.io.write_errors,
-                    "cold_indexing": dict(self.indexing),
+                    "cold": self.cold_state(), "cold_indexing": dict(self.indexing),
                     "eviction_policy": self.mover.policy, "write_policy": self.config.write_policy}
+
+    def cold_state(self) -> dict:
+        """The cold tier's write health: failed write-behind batches, the last error, whether it is
+        full (even after evicting), records evicted because the disk (not cold.max_bytes) had no
+        room, and whether the disk is what bounds it now. Counters only: no lock taken."""
+        return {"enabled": self.cold is not None, **self.io.cold_state(),
+                "disk_bound": self.cold is not None and self.cold.disk_bound}
 
     def audit(self, cold: bool = True) -> dict:
         """Check the index against the tiers. `problems` is empty when everything agrees. The cold

@@ -7,8 +7,10 @@ another process, which uses it through kvstore.client.SidecarClient.
     kvstore/server/sidecar.py       this command: config, socket file, shared memory, run
 
 Page bytes do not cross the socket: the warm tier lives in a POSIX shared-memory segment that
-the client maps too, and requests carry slot numbers. Slots a client holds are leased: they end
-when it disconnects or sends nothing for sidecar.lease_s.
+the client maps too, and requests carry slot numbers. The segment is named after the data
+directory (DataDir.shm_name), which the sidecar holds locked, so one left behind by a sidecar
+killed together with its resource tracker is found and reclaimed by the next start. Slots a
+client holds are leased: they end when it disconnects or sends nothing for sidecar.lease_s.
 
 Lifecycle: the REST admin API (kvstore.server.admin) listens on admin.port next to the socket.
 Ready (`kvstore sidecar: ready on SOCKET` on stdout) once the cold tier is indexed and both listen.
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 
 from kvstore.config import Config, format_size
+from kvstore.datadir import make_private_dirs
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.protocol import one_line
 from kvstore.server.sidecar_server import BYTES_FRAME_BYTES, SidecarServer
@@ -86,7 +89,7 @@ def claim_socket(path: Path) -> None:
     """Make `path` free to bind: refuse a live socket or another file there; remove a stale socket."""
     if len(os.fsencode(path)) > 107:
         raise ConfigError("sidecar.socket", str(path), "must be a path under 108 bytes (a Unix socket's limit)")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path.parent)   # the data directory, by default: 0700 from the start
     try:
         st = os.lstat(path)
     except FileNotFoundError:

@@ -290,6 +290,8 @@ class SidecarServer:
                 await self.daemon.run(self.store.release_warm, slots)
             raise
         s.allocated.difference_update(slots)
+        if self.config.write_policy == "write_through":
+            self.daemon.wake()   # copy the pages down now, not at the daemon's next round
         return {"keys": [k.hex() for k in keys]}
 
     def _write_pages(self, pages: list[bytes]) -> list[int]:

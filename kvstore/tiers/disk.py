@@ -41,6 +41,20 @@ Rules:
 - One DiskTier per store directory per process (LMDB forbids opening it twice).
 - Opening one raises glibc's malloc thresholds for the whole process (see
   `keep_write_buffers`), so LMDB's write buffers are reused, not faulted in anew.
+- Private: the directory is created 0700 (missing parents too) and LMDB creates its files
+  0600; nothing is chmod-ed afterwards.
+- Damage is refused before liblmdb sees it: opening checks data.mdb with LmdbFile (meta
+  pages, length, every B-tree page; O(tree pages), not the values), because liblmdb faults
+  (SIGBUS) on a file cut short and aborts on a malformed page. A damaged file, or any LMDB
+  error while opening, raises DamagedStore naming the file and the remedies; nothing of
+  the store is changed.
+- Full: `room_bytes()` is what more records may take: the least of what cold.max_bytes
+  leaves and what the disk can still hold (the map up to map_size_max, the filesystem's free
+  space and LMDB's free pages, less a reserve of pages that deletes need for their copies).
+  Callers evict down to it before they write, so the disk does not fill up (a delete
+  needs room too). A write refused for lack of room fails with ColdFull: at once for
+  cold.max_bytes, through its future for the map at map_size_max or a full filesystem.
+  Deleting makes room.
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
@@ -58,12 +73,14 @@ import lmdb
 import numpy as np
 
 from kvstore import record
-from kvstore.errors import KVStoreError
+from kvstore.datadir import DIR_MODE, make_private_dirs
+from kvstore.errors import DamagedStore, KVStoreError
 from kvstore.record import RecordError, RecordHeader
 from kvstore.spec import KVSpec
 from kvstore.tiers.base import Tier
 from kvstore.tiers.buffers import (MiB, RemapLock, as_byte_array, as_byte_view, early_writeback, keep_write_buffers,
                                    round_up)
+from kvstore.tiers.lmdb_file import LmdbFile, check_data_file
 
 PAGES_DB = b"pages"
 QUARANTINE_DB = b"quarantine"
@@ -73,15 +90,66 @@ _TOTALS = struct.Struct("<QQ")  # u64 LE bytes, u64 LE records
 _SCAN_CHUNK = 4096              # records read per read transaction in scan() and sizes()
 _READ_GROUP_BYTES = 4 * MiB     # read_many gives a thread at least this many page bytes
 _EARLY_WRITEBACK_BYTES = 8 * MiB   # commits this large start the disk while they still copy
+_RESERVE_PAGES = 64     # LMDB pages kept free on disk for the copies a delete transaction makes
 
 K = TypeVar("K", bound=tuple)
+# errors liblmdb raises for a file it finds inconsistent (others: permissions, locks, resources)
+DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
+                 lmdb.PanicError, lmdb.IncompatibleError, lmdb.BadDbiError)
+
+
+class ColdFull(KVStoreError):
+    """A write found no room: cold.max_bytes, the map at cold.map_size_max, or the filesystem is
+    full. Nothing of it was written; deleting records makes room."""
 
 
 def open_env(path: str, map_size: int, readonly: bool = False) -> lmdb.Environment:
-    """The LMDB environment of a cold store: durable commits, no writable map."""
+    """The LMDB environment of a cold store: durable commits, no writable map, private files
+    (the directory 0700, data.mdb and lock.mdb 0600: LMDB drops the execute bits)."""
     return lmdb.open(path, map_size=map_size, subdir=True, readonly=readonly, create=not readonly,
                      max_dbs=3, sync=True, metasync=True, writemap=False, lock=True,
-                     map_async=False, readahead=True)
+                     map_async=False, readahead=True, mode=DIR_MODE)
+
+
+def damage_remedy(path: str) -> str:
+    return (f"run `kvstore fsck --repair --path {path}` (it keeps every record that still reads), or set "
+            f"cold.on_damage: quarantine (the store is set aside and the tier starts empty)")
+
+
+def open_error(path: str, exc: lmdb.Error) -> KVStoreError:
+    """What an LMDB error while opening the store at `path` means to the user."""
+    if isinstance(exc, DAMAGE_ERRORS):
+        return DamagedStore(os.path.join(path, "data.mdb"), f"LMDB cannot read it ({exc})", damage_remedy(path))
+    return KVStoreError(f"cannot open cold tier at {path}: {exc}")
+
+
+def set_aside(path: str) -> tuple[str, int | None]:
+    """Move the (damaged) store at `path` to `<path>.damaged-<time>` and return that path and the
+    pages it held: as its committed state counts them, else the values still found in the file
+    (None: no file). A new store can then open at `path`."""
+    try:
+        with LmdbFile(path) as f:
+            pages = f.entries(PAGES_DB)
+            if pages is None:
+                pages = sum(1 for _ in f.overflow_runs(skip=True))
+    except OSError:
+        pages = None
+    aside = sibling(path, "damaged")
+    try:
+        os.rename(path, aside)
+    except OSError as exc:
+        raise KVStoreError(f"cannot move the damaged cold store {path} aside: {exc.strerror}") from None
+    return aside, pages
+
+
+def sibling(path: str, what: str) -> str:
+    """A free name next to `path`: `<path>.<what>-<time>` (and a number, if that is taken)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name, n = f"{path}.{what}-{stamp}", 1
+    while os.path.lexists(name):
+        n += 1
+        name = f"{path}.{what}-{stamp}-{n}"
+    return name
 
 
 def data_file_size(path: str) -> int:
@@ -141,15 +209,19 @@ class DiskTier(Tier):
         self.write_batch = max(1, write_batch)
         self.read_threads = read_threads or min(4, os.cpu_count() or 1)
         try:
-            os.makedirs(self.path, exist_ok=True)
+            make_private_dirs(self.path)
         except OSError as exc:
             raise KVStoreError(f"cannot create the cold tier directory {self.path}: {exc}") from None
+        try:
+            check_data_file(self.path)   # before liblmdb maps it
+        except DamagedStore as exc:
+            raise DamagedStore(exc.file, exc.reason, damage_remedy(self.path)) from None
         self.map_size = max(round_up(min(self.map_size_max, map_size_initial)),
                             round_up(data_file_size(self.path)))
         try:
             self._env = open_env(self.path, self.map_size)
         except lmdb.Error as exc:
-            raise KVStoreError(f"cannot open cold tier at {self.path}: {exc}") from None
+            raise open_error(self.path, exc) from None
         try:
             self._env.reader_check()  # free reader slots left by a crashed process
             self._pages = self._env.open_db(PAGES_DB)
@@ -160,11 +232,12 @@ class DiskTier(Tier):
                 records = txn.stat(self._pages)["entries"]
         except lmdb.Error as exc:
             self._env.close()
-            raise KVStoreError(f"cannot open cold tier at {self.path}: {exc}") from None
+            raise open_error(self.path, exc) from None
         self._record_bytes = record.PREFIX_BYTES + 256 + 4 * spec.page_size + spec.page_bytes
         keep_write_buffers(self._record_bytes, self._record_bytes * self.write_batch)
 
         # stats
+        self.disk_bound = False  # room_bytes found the disk (or map) fuller than cold.max_bytes
         self.corrupt = 0        # reads refused: damaged record or header mismatch
         self.missing = 0        # reads of keys not stored
         self.map_grows = 0
@@ -208,6 +281,37 @@ class DiskTier(Tier):
     def pending_bytes(self) -> int:
         """Bytes queued puts will add (at most) once they commit."""
         return self._reserved
+
+    def room_bytes(self) -> int:
+        """Record bytes more puts may add: what cold.max_bytes leaves, or less when the disk holds
+        less (`disk_bound` then says so); queued puts count. A read transaction and a statvfs."""
+        self._wait_counted()
+        with self._lock:
+            by_limit = self.max_bytes - self._used - self._reserved
+            reserved = self._reserved
+        by_disk = self._disk_room() - reserved
+        self.disk_bound = by_disk < by_limit
+        return max(0, min(by_limit, by_disk))
+
+    def _disk_room(self) -> int:
+        """Record bytes the disk can still take, in whole records (one record is a run of LMDB pages)."""
+        with self._remap.shared():
+            self._check_open()
+            info, main = self._env.info(), self._env.stat()
+            with self._env.begin(buffers=True) as txn:
+                stats = [txn.stat(db) for db in (self._pages, self._quarantine, self._meta)]
+        psize = main["psize"]
+        live = 2 + sum(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"] for st in (main, *stats))
+        try:
+            st = os.statvfs(self.path)
+            fs_free = st.f_bavail * st.f_frsize
+        except OSError:
+            fs_free = self.map_size_max
+        file_pages = max(data_file_size(self.path) // psize, info["last_pgno"] + 1)
+        usable = min(self.map_size_max // psize, file_pages + fs_free // psize)
+        free_pages = usable - live - _RESERVE_PAGES
+        record_pages = -(-(self._record_bytes + 16) // psize)
+        return max(0, free_pages // record_pages) * self._record_bytes
 
     @property
     def num_pages(self) -> int:
@@ -290,7 +394,7 @@ class DiskTier(Tier):
             self._check_open()
             req.reserved = max(0, sum(n for _, _, n in puts) - sum(stored.values()))
             if self._used + self._reserved + req.reserved > self.max_bytes:
-                raise KVStoreError(
+                raise ColdFull(
                     f"cold tier is full: {req.reserved} more bytes would take it above cold.max_bytes "
                     f"= {self.max_bytes} (used {self._used}, pending {self._reserved}); evict first")
             self._reserved += req.reserved
@@ -357,12 +461,26 @@ class DiskTier(Tier):
                     self._write_batch([req])
                 return
             if isinstance(exc, lmdb.Error):
-                exc = KVStoreError(f"cold tier write failed at {self.path}: {exc}")
+                exc = self._write_error(exc, batch[0])
             self._unreserve(batch[0])
             batch[0].future.set_exception(exc)
             return
         for req in batch:
             req.future.set_result(None)
+
+    def _write_error(self, exc: lmdb.Error, req: _Request) -> KVStoreError:
+        """A failed write transaction: ColdFull when the filesystem is out of room (ENOSPC, or the
+        short write LMDB reports as EIO with the disk full), else KVStoreError."""
+        need = sum(n for _, _, n in req.puts)
+        try:
+            st = os.statvfs(self.path)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = None
+        if isinstance(exc, lmdb.DiskError) or (need and free is not None and free < need + MiB):
+            return ColdFull(f"cold tier write failed at {self.path}: its filesystem is full "
+                            f"({free if free is not None else '?'} bytes free; {exc})")
+        return KVStoreError(f"cold tier write failed at {self.path}: {exc}")
 
     def _commit(self, batch: list[_Request]) -> None:
         if not any(r.puts or r.deletes for r in batch):
@@ -435,7 +553,7 @@ class DiskTier(Tier):
             while new_size < need and new_size < self.map_size_max:
                 new_size = min(new_size * 2, self.map_size_max)
         elif self.map_size >= self.map_size_max:
-            raise KVStoreError(f"cold tier map is full at {self.map_size} bytes (cold.map_size_max)")
+            raise ColdFull(f"cold tier map is full at {self.map_size} bytes (cold.map_size_max)")
         else:
             new_size = min(self.map_size * 2, self.map_size_max)
         with self._remap.exclusive():
@@ -534,12 +652,15 @@ class DiskTier(Tier):
         while True:
             with self._remap.shared():
                 self._check_open()
-                with self._env.begin(db=self._pages, buffers=True) as txn:
-                    cursor = txn.cursor()
-                    found = cursor.first() if last is None else cursor.set_range(last)
-                    if found and last is not None and cursor.key() == last:
-                        found = cursor.next()
-                    chunk = [item(k, v) for k, v in islice(cursor.iternext(), _SCAN_CHUNK)] if found else []
+                try:
+                    with self._env.begin(db=self._pages, buffers=True) as txn:
+                        cursor = txn.cursor()
+                        found = cursor.first() if last is None else cursor.set_range(last)
+                        if found and last is not None and cursor.key() == last:
+                            found = cursor.next()
+                        chunk = [item(k, v) for k, v in islice(cursor.iternext(), _SCAN_CHUNK)] if found else []
+                except lmdb.Error as exc:
+                    raise KVStoreError(f"cold tier at {self.path}: reading its records failed: {exc}") from None
             yield from chunk
             if len(chunk) < _SCAN_CHUNK:
                 return

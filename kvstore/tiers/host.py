@@ -6,11 +6,15 @@ present (fast, async DMA to and from the hot tier), and may live in a POSIX shar
 segment so another process (the sidecar's client) can map it.
 
 Rules: slots come from a SlotPool; a slot's bytes are undefined until written. Callers hold
-the store lock while they allocate, free or write slots.
+the store lock while they allocate, free or write slots. A shared segment is named by the
+caller (DataDir.shm_name: one name per data directory, 0600) and unlinked by `close`; the
+caller holds the data directory's lock, so a segment of that name found at start was left by
+a process that died without closing: it is unlinked and made anew.
 """
 
 from __future__ import annotations
 
+import logging
 from multiprocessing import shared_memory
 
 import torch
@@ -18,18 +22,22 @@ import torch
 from kvstore.spec import KVSpec
 from kvstore.tiers.base import SlotPool, Tier
 
+log = logging.getLogger("kvstore.warm")
+
 
 class HostTier(Tier):
     name = "warm"
 
-    def __init__(self, spec: KVSpec, num_slots: int, pin: bool | None = None, shared: bool = False):
+    def __init__(self, spec: KVSpec, num_slots: int, pin: bool | None = None, shared: bool = False,
+                 shm_name: str | None = None):
+        """`shared`: in a POSIX shared-memory segment, named `shm_name` (random when None)."""
         super().__init__(spec)
         self.num_slots = num_slots
         nbytes = num_slots * spec.page_bytes
         self.shm: shared_memory.SharedMemory | None = None
         self._registered_ptr: int | None = None
         if shared and nbytes:
-            self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+            self.shm = _create_segment(shm_name, nbytes)
             buf = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=nbytes)
             if pin is None and torch.cuda.is_available():
                 torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
@@ -62,3 +70,17 @@ class HostTier(Tier):
             self.shm.close()
             self.shm.unlink()
             self.shm = None
+
+
+def _create_segment(name: str | None, nbytes: int) -> shared_memory.SharedMemory:
+    """A new segment; one of the same name left by a dead process is unlinked first."""
+    try:
+        return shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    except FileExistsError:
+        stale = shared_memory.SharedMemory(name=name)
+        size = stale.size
+        stale.close()
+        stale.unlink()
+        log.warning("removed the shared-memory segment /dev/shm/%s (%d bytes) left by a process that did not "
+                    "stop cleanly", name, size)
+    return shared_memory.SharedMemory(name=name, create=True, size=nbytes)
