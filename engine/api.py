@@ -7,9 +7,14 @@ engine requests; with a seed, sample j of a prompt uses seed + j. The tenant (wh
 prefixes no other tenant sees) is the `X-Tenant` header, else the `user` field. The `model`
 field may be left out; when given it must name the served model.
 
+Limits are checked as vLLM checks them: a prompt with `max_tokens` past the model's context
+(`max_model_len` in /v1/models) is refused, not cut short. Left out, `max_tokens` is what fits in
+the context (a completion's: at most 16, OpenAI's default).
+
 Errors are OpenAI's error JSON: 400 for what the client can fix, 413 for a body over the limit,
-429 with Retry-After when the engine's queue is full, 500 (logged) for anything else. Logs
-never hold request content: no prompt, message, token id or generated text.
+429 with Retry-After when the engine's queue is full, 500 (logged) for anything else. A request
+whose client disconnects is aborted, its pages released (the access log shows 499). Logs never
+hold request content: no prompt, message, token id or generated text.
 """
 
 from __future__ import annotations
@@ -31,11 +36,15 @@ from aiohttp import web
 
 from engine import AsyncLLM, InvalidRequest, QueueFull, RequestOutput, SamplingParams
 from engine.request import StepFailed
+from engine.tokenizer import check_text
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 MAX_CHOICES = 64                # prompts x n in one request
+COMPLETION_MAX_TOKENS = 16      # a completion's max_tokens when left out (OpenAI's), if it fits
+CLIENT_CLOSED = 499             # the status logged for a request whose client went away (nginx's)
+DISCONNECT_POLL_S = 0.2
 WARM_UP_LENGTHS = (8, 64, 200)  # prompt tokens
 WARM_UP_TEXT = "The quick brown fox jumps over the lazy dog. "
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -72,6 +81,10 @@ class ApiError(Exception):
         return web.json_response({"error": error}, status=self.status, headers=self.headers)
 
 
+class ClientGone(ConnectionResetError):
+    """The client closed its connection before its answer was complete."""
+
+
 # parsing
 @dataclass
 class Job:
@@ -101,8 +114,19 @@ _DICT = (lambda v: isinstance(v, dict), "an object")
 
 
 def _short(value) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    try:
+        text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    except RecursionError:
+        text = f"(a {type(value).__name__} nested too deeply to show)"
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _text(value: str, name: str, param: str) -> str:
+    """A string of the request that is tokenized or hashed: 400 naming it when not valid Unicode."""
+    try:
+        return check_text(value, name)
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), param) from None
 
 
 def _opt(body: dict, name: str, default, check: Callable | None = None, allowed: str = ""):
@@ -131,7 +155,25 @@ def _params(body: dict, default_max_tokens: int, logprobs: int | None, max_token
         raise ApiError(400, message, message.split(" = ", 1)[0]) from None
 
 
-def _parse(request: web.Request, body: dict, prompts: list, default_max_tokens: int,
+def _fit_context(body: dict, field: str, prompts: list[list[int]], context: int, where: str,
+                 default: int | None) -> int:
+    """The default max_tokens: `default` (None: no limit) cut to what fits in the context after
+    the longest prompt. 400, as vLLM answers, when the prompt leaves no room or the given
+    max_tokens does not fit (a max_tokens of a wrong type is left to SamplingParams.validate)."""
+    longest = max(len(p) for p in prompts)
+    intro = f"This model's maximum context length is {context} tokens. However, you requested"
+    if longest >= context:
+        raise ApiError(400, f"{intro} {longest} tokens in the {where}, which leaves none for the completion. "
+                            f"Please reduce the length of the {where}.", where)
+    given = body.get(field)
+    if _INT[0](given) and given >= 1 and longest + given > context:
+        raise ApiError(400, f"{intro} {longest + given} tokens ({longest} in the {where}, {given} in the "
+                            f"completion). Please reduce the length of the {where} or completion.", field)
+    room = context - longest
+    return room if default is None else min(default, room)
+
+
+def _parse(request: web.Request, body: dict, prompts: list[list[int]], default_max_tokens: int,
            logprobs: int | None, max_tokens_field: str = "max_tokens") -> Job:
     """The fields that completions and chat share."""
     params = _params(body, default_max_tokens, logprobs, max_tokens_field)
@@ -139,20 +181,27 @@ def _parse(request: web.Request, body: dict, prompts: list, default_max_tokens: 
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts x n = {n}: at most {MAX_CHOICES} choices per request", "n")
     options = _opt(body, "stream_options", {}, *_DICT)
+    tenant = request.headers.get("X-Tenant") or _opt(body, "user", "", *_STR)
     return Job(prompts=prompts, params=params, n=n, stream=_opt(body, "stream", False, *_BOOL),
                include_usage=bool(options.get("include_usage")),
                return_token_ids=_opt(body, "return_token_ids", False, *_BOOL),
-               tenant=request.headers.get("X-Tenant") or _opt(body, "user", "", *_STR),
+               tenant=_text(tenant, "the tenant (the X-Tenant header or user)", "user"),
                priority=_opt(body, "priority", 0, *_INT))
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 async def _body(request: web.Request) -> dict:
     """The JSON object of the request body, checked against the served model and the fields not supported."""
     raw = await request.read()          # over client_max_size: HTTPRequestEntityTooLarge -> 413
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_reject_constant)
     except ValueError as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON (nested too deeply)") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     served = request.app[ENGINE].llm.model_name
@@ -169,8 +218,8 @@ def _is_ids(value) -> bool:
     return isinstance(value, list) and all(_INT[0](t) for t in value)
 
 
-def _prompts(value) -> list[str | list[int]]:
-    """`prompt`: a string, a list of token ids, or a list of those."""
+def _prompts(tok, value) -> list[list[int]]:
+    """`prompt` (a string, a list of token ids, or a list of those) as token id lists."""
     if value is None:
         raise ApiError(400, "prompt is required: a string, a list of token ids, or a list of those", "prompt")
     prompts = [value] if isinstance(value, str) or (value and _is_ids(value)) else value
@@ -178,7 +227,8 @@ def _prompts(value) -> list[str | list[int]]:
         raise ApiError(400, "prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
     if not all(prompts):
         raise ApiError(400, "prompt must not be empty", "prompt")
-    return prompts
+    return [tok.encode(_text(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]", "prompt"))
+            if isinstance(p, str) else p for i, p in enumerate(prompts)]
 
 
 def _chat_prompt(llm, messages) -> list[int]:
@@ -196,6 +246,7 @@ def _chat_prompt(llm, messages) -> list[int]:
         if role not in ROLES or not isinstance(content, str):
             raise ApiError(400, f"messages[{i}] must be an object with a role ({', '.join(ROLES)}) and a content "
                                 "(a string or a list of text parts)", f"messages[{i}]")
+        _text(content, f"messages[{i}].content", f"messages[{i}]")
         turns.append({"role": "system" if role == "developer" else role, "content": content})
     text = llm.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
     return llm.tokenizer.encode(text, add_bos=False)   # the template holds its special tokens
@@ -213,13 +264,23 @@ async def _pump(index: int, stream: AsyncIterator[RequestOutput], queue: asyncio
     queue.put_nowait((index, None))
 
 
-async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _watch(request: web.Request, queue: asyncio.Queue) -> None:
+    """Puts ClientGone on `queue` once the client's connection has closed. aiohttp cancels a handler
+    on a disconnect only when its server runs with handler_cancellation, so this polls."""
+    while request.transport is not None and not request.transport.is_closing():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    queue.put_nowait((-1, ClientGone("the client closed the connection")))
+
+
+async def _merged(request: web.Request, streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, cumulative output) from every engine stream as they come; raises the first
-    error. Closing it closes every stream."""
+    error, or ClientGone when the client disconnects. Closing it closes every stream (which aborts
+    the engine requests still running)."""
     queue: asyncio.Queue = asyncio.Queue()
     pumps = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(streams)]
+    pumps.append(asyncio.create_task(_watch(request, queue)))
     try:
-        running = len(pumps)
+        running = len(streams)
         while running:
             index, item = await queue.get()
             if item is None:
@@ -330,13 +391,16 @@ async def _answer(request: web.Request, job: Job, chat: bool) -> web.StreamRespo
             "model": engine.llm.model_name}
     streams = [engine.generate(prompt, params, tenant=job.tenant, request_id=f"{rid}-{i}", priority=job.priority)
                for i, (prompt, params) in enumerate(job.requests())]
-    async with aclosing(_merged(streams)) as outputs:
+    async with aclosing(_merged(request, streams)) as outputs:
         if job.stream:
             head["object"] += ".chunk" if chat else ""
             return await _stream(request, job, chat, head, outputs, len(streams))
         last: dict[int, RequestOutput] = {}
-        async for i, out in outputs:
-            last[i] = out
+        try:
+            async for i, out in outputs:
+                last[i] = out
+        except ClientGone:
+            return web.Response(status=CLIENT_CLOSED)
     outs = [last[i] for i in range(len(streams))]
     tok = engine.llm.tokenizer
     body = {**head, "choices": [_final_choice(i, o, job, chat, tok) for i, o in enumerate(outs)],
@@ -382,7 +446,7 @@ async def _stream(request: web.Request, job: Job, chat: bool, head: dict, output
             await _send(resp, {**head, "choices": [], "usage": _usage([c.last for c in choices], job.n)})
         await _send(resp, "[DONE]")
     except ConnectionResetError:        # the client went away
-        pass
+        return resp if resp is not None else web.Response(status=CLIENT_CLOSED)
     except Exception as exc:
         if resp is None:
             raise
@@ -396,8 +460,11 @@ async def _stream(request: web.Request, job: Job, chat: bool, head: dict, output
 # handlers
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
+    llm = request.app[ENGINE].llm
     logprobs = _opt(body, "logprobs", None, lambda v: _INT[0](v) and 0 <= v <= 20, "an integer in [0, 20]")
-    return await _answer(request, _parse(request, body, _prompts(body.get("prompt")), 16, logprobs), chat=False)
+    prompts = _prompts(llm.tokenizer, body.get("prompt"))
+    default = _fit_context(body, "max_tokens", prompts, llm.max_seq_len, "prompt", COMPLETION_MAX_TOKENS)
+    return await _answer(request, _parse(request, body, prompts, default, logprobs), chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -407,8 +474,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     top = _opt(body, "top_logprobs", 0, lambda v: _INT[0](v) and 0 <= v <= 20, "an integer in [0, 20]")
     logprobs = top if _opt(body, "logprobs", False, *_BOOL) else None
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    job = _parse(request, body, [ids], max(1, llm.max_seq_len - len(ids)), logprobs, field)
-    return await _answer(request, job, chat=True)
+    default = _fit_context(body, field, [ids], llm.max_seq_len, "messages", None)
+    return await _answer(request, _parse(request, body, [ids], default, logprobs, field), chat=True)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -8,6 +8,8 @@ import torch
 
 from kvstore.errors import KVStoreError
 
+GREEDY_BELOW = 1e-5     # a temperature below this samples greedily (as vLLM): logits / 1e-127 overflow
+
 
 class InvalidRequest(KVStoreError):
     """A request the engine refuses (bad sampling parameters, prompt too long...): HTTP 400."""
@@ -16,7 +18,7 @@ class InvalidRequest(KVStoreError):
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 0.0        # 0: greedy
+    temperature: float = 0.0        # 0 (or below GREEDY_BELOW): greedy
     top_k: int = 0                  # 0: off
     top_p: float = 1.0
     seed: int | None = None         # per-request generator, so a seeded request repeats exactly
@@ -50,7 +52,7 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from one row of logits [vocab] (fp32)."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return int(logits.argmax())
     logits = logits / params.temperature
     if params.top_k:

@@ -53,6 +53,7 @@ class Scheduler:
         self.step_no = 0
         self._batch: dict[Request, int] = {}
         self._budget = 0
+        self.current: Request | None = None   # the request being scheduled (the culprit if scheduling fails)
 
     def add(self, req: Request) -> None:
         if len(self.waiting) + len(self.loading) >= self.cfg.max_queue_depth:
@@ -78,12 +79,14 @@ class Scheduler:
         """This step's work: (request, tokens to compute), each request at most once."""
         self.step_no += 1
         self._batch, self._budget = {}, self.engine_cfg.max_batch_tokens
+        self.current = None
         self._poll_loads()
         for req in sorted(self.running, key=self._order):
             if req.status is not Status.RUNNING or req.pending != 1:
                 continue
             if len(self._batch) >= self.engine_cfg.decode_concurrency or self._budget < 1:
                 break
+            self.current = req
             if self._grow(req, 1):
                 self._add(req, 1)
             elif req.status is Status.RUNNING and self.stuck(req):
@@ -94,6 +97,7 @@ class Scheduler:
                     or prefilling >= self.engine_cfg.prefill_concurrency):
                 continue
             n = self._chunk(req, self._budget)
+            self.current = req
             if self._grow(req, n):
                 self._add(req, n)
                 prefilling += 1
@@ -104,6 +108,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.preempted_step == self.step_no:
                 break   # it keeps its place; nothing behind it jumps the queue this step
+            self.current = req
             n = self._admit(req, self._budget)
             if n == LOADING:
                 self.waiting.pop(0)
@@ -118,6 +123,7 @@ class Scheduler:
             self.waiting.pop(0)
             self._add(req, n)
             prefilling += 1
+        self.current = None
         return list(self._batch.items())
 
     def _add(self, req: Request, n: int) -> None:

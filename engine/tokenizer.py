@@ -1,6 +1,8 @@
 """Tokenizers: bytes for presets, a Hugging Face `tokenizer.json` for model directories.
 
 Both give the same small interface: encode, decode, bos/eos ids, vocab_size, apply_chat_template.
+Text that is not valid Unicode (a lone surrogate, as a JSON "\\ud800" escape gives) is an
+InvalidRequest, never a UnicodeEncodeError.
 """
 
 from __future__ import annotations
@@ -13,6 +15,15 @@ from pathlib import Path
 from engine.sampler import InvalidRequest
 from kvstore.errors import ConfigError
 from kvstore.shapes import PRESETS
+
+
+def check_text(text: str, name: str = "text") -> str:
+    """`text` itself; InvalidRequest naming `name` when it cannot be encoded as UTF-8 (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"{name} is not valid Unicode: a lone surrogate at character {exc.start}") from None
+    return text
 
 
 class ByteTokenizer:
@@ -33,7 +44,7 @@ class ByteTokenizer:
         return [self.eos_token_id]
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        return [self.bos_token_id] * add_bos + list(text.encode("utf-8"))
+        return [self.bos_token_id] * add_bos + list(check_text(text).encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -77,7 +88,7 @@ class HFTokenizer:
         return self._tok.token_to_id(token) if isinstance(token, str) else None
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_bos).ids
+        return self._tok.encode(check_text(text), add_special_tokens=add_bos).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from aiohttp import web
 
-from kvstore.cluster.peer import PeerFetcher, serve_pages
+from kvstore.cluster.peer import NO_TOKEN, PeerFetcher, serve_pages
 from kvstore.cluster.redis_index import RedisIndex
 from kvstore.config import Config
 from kvstore.keys import Namespace, page_keys
@@ -31,6 +31,9 @@ class ClusterNode:
         return [(k, tier, ns) for k, (tier, ns) in self.store.residency().items()]
 
     async def start(self) -> None:
+        if not self.config.cluster.token:
+            log.warning("%s (POST /v1/peer/pages answers 403); set the same cluster.token on every instance",
+                        NO_TOKEN)
         self.store.add_listener(self.index.on_residency)
         await self.index.start()
 
@@ -48,6 +51,17 @@ class ClusterNode:
 
     def stats(self) -> dict:
         return {**self.index.stats(), "fetch": self.fetcher.stats()}
+
+
+def peer_status(node: ClusterNode | None) -> dict:
+    """Whether peers can fetch pages from this instance and it from them, and if not, why (/readyz)."""
+    if node is None:
+        return {"serving": False, "fetching": False, "reason": "no cluster: cluster.redis_url is not set"}
+    if not node.config.cluster.token:
+        return {"serving": False, "fetching": False, "reason": NO_TOKEN}
+    if node.config.cluster.fetch_policy == "never":
+        return {"serving": True, "fetching": False, "reason": "cluster.fetch_policy is never"}
+    return {"serving": True, "fetching": True, "reason": None}
 
 
 def add_cluster_routes(app: web.Application, store, daemon) -> None:

@@ -3,7 +3,9 @@
 The serving side answers `POST /v1/peer/pages` (JSON {"namespace": hex, "keys": [hex, ...]},
 a prefix chain) with a stream of frames, each a 4-byte big-endian length and one page record
 in the cold tier's format (kvstore.record: header, checksum, page bytes), in chain order,
-ending at the first page it does not hold. It requires the cluster token as a bearer token.
+ending at the first page it does not hold. It requires the cluster token as a bearer token:
+without cluster.token an instance serves no pages to peers (403) and fetches none from them
+(whatever a peer requires, an empty token never matches it).
 
 The fetching side verifies every record (checksum, key derivation, namespace, geometry, the
 tokens it expects, the chain) before the page goes into its warm tier; the first bad or
@@ -33,11 +35,14 @@ log = logging.getLogger("kvstore.peer")
 FRAME = struct.Struct(">I")
 MAX_KEYS = 8192
 CONTENT_TYPE = "application/x-kvstore-pages"
+MAX_ERROR_CHARS = 200       # of a peer's error answer, in the log
+NO_TOKEN = "cluster.token is not set: peers cannot fetch pages from this instance, nor it from them"
 
 
 def _authorized(request: web.Request, token: str) -> bool:
-    given = request.headers.get("Authorization", "")
-    return bool(token) and hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+    # aiohttp decodes header bytes as UTF-8 with surrogateescape: encoding back gives the bytes sent
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return bool(token) and hmac.compare_digest(given, f"Bearer {token}".encode())
 
 
 async def serve_pages(request: web.Request, store, daemon, token: str) -> web.StreamResponse:
@@ -96,6 +101,8 @@ class PeerFetcher:
         if not keys or self.index is None:
             return 0, 0
         local = (await self.daemon.run(self.store.match, tokens[:len(tokens) - 1], ns)).num_pages
+        if not self.token:      # no peer would answer; the start-up warning said why
+            return local, 0
         peers = [p for p in await self.index.lookup(ns.digest, keys) if p["pages"] > local]
         if not peers:
             return local, 0
@@ -110,7 +117,7 @@ class PeerFetcher:
             got = await self._fetch(best["url"], ns, want, expect, parent)
         except (aiohttp.ClientError, OSError, TimeoutError, KVStoreError) as exc:
             self.failed += 1
-            log.warning("peer fetch from %s failed: %s", best["instance"], type(exc).__name__)
+            log.warning("peer fetch from %s failed: %s", best["instance"], str(exc) or type(exc).__name__)
             return local, 0
         added = await self.daemon.run(self.store.import_records, got) if got else 0
         self.fetched_pages += added
@@ -125,7 +132,7 @@ class PeerFetcher:
         out, nbytes = [], 0
         async with self._session.post(f"{url.rstrip('/')}/v1/peer/pages", json=body, headers=headers) as resp:
             if resp.status != 200:
-                raise KVStoreError(f"peer answered {resp.status}")
+                raise KVStoreError(f"peer answered {resp.status}: {await _error_text(resp)}")
             for key, tok in zip(keys, expect):
                 try:
                     head = await resp.content.readexactly(FRAME.size)
@@ -155,3 +162,14 @@ class PeerFetcher:
     def stats(self) -> dict:
         return {"fetched_pages": self.fetched_pages, "failed": self.failed, "skipped": self.skipped,
                 "bandwidth_bytes_per_s": self.bandwidth, "policy": self.policy}
+
+
+async def _error_text(resp: aiohttp.ClientResponse) -> str:
+    """The `error` of a peer's JSON answer (its text when not JSON), one line, shortened."""
+    try:
+        text = (await resp.content.read(4096)).decode("utf-8", "replace")
+        error = json.loads(text).get("error", text) if text.lstrip().startswith("{") else text
+    except (aiohttp.ClientError, ValueError, AttributeError):
+        return resp.reason or "no reason given"
+    error = " ".join(str(error).split()) or resp.reason or "no reason given"
+    return error if len(error) <= MAX_ERROR_CHARS else error[:MAX_ERROR_CHARS - 3] + "..."

@@ -31,7 +31,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from kvstore.cluster.node import CLUSTER, add_cluster_routes
+from kvstore.cluster.node import CLUSTER, add_cluster_routes, peer_status
 from kvstore.config import Config
 from kvstore.errors import KVStoreError
 from kvstore.server import openapi
@@ -78,7 +78,9 @@ async def readyz(request: web.Request) -> web.Response:
     cluster = request.app.get(CLUSTER)
     return web.json_response({"ready": ready, "checks": checks,
                               "cluster": cluster.index.state if cluster else "disabled",
-                              "cold_index": dict(state.store.indexing)},
+                              "peers": peer_status(cluster),
+                              "cold_index": dict(state.store.indexing),
+                              "cold": state.store.cold_state()},
                              status=200 if ready else 503)
 
 

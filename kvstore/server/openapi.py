@@ -62,11 +62,31 @@ SCHEMAS = {
                    "cluster": {"enum": ["connected", "disconnected", "disabled"],
                                "description": "the cross-instance index (disconnected: local-only mode, "
                                               "still ready)"},
+                   "peers": _obj({"serving": {"type": "boolean", "description": "peers can fetch pages from "
+                                                                                "this instance"},
+                                  "fetching": {"type": "boolean", "description": "this instance fetches pages "
+                                                                                 "from peers"},
+                                  "reason": {"type": ["string", "null"], "description": "why not, when not"}},
+                                 description="page sharing between instances (cluster.token); does not hold "
+                                             "readiness back"),
                    "cold_index": _obj({"done": {"type": "boolean"},
                                        "pages": {**_int(), "description": "cold records indexed so far"}},
                                       description="the cold tier is indexed in the background after a start; "
                                                   "the store serves meanwhile (cold pages appear as they are "
-                                                  "indexed), so this does not hold readiness back")}),
+                                                  "indexed), so this does not hold readiness back"),
+                   "cold": _ref("ColdState")}),
+    "ColdState": _obj({"enabled": {"type": "boolean"},
+                       "write_errors": {**_int(), "description": "write-behind batches that failed (their pages "
+                                                                 "stayed in memory)"},
+                       "last_error": {"type": "string", "description": "the last write failure, one line"},
+                       "full": {"type": "boolean", "description": "the last write found no room (disk, map or "
+                                                                 "cold.max_bytes), even after evicting"},
+                       "evicted_for_room": {**_int(), "description": "cold records evicted because the disk or "
+                                                                     "the map filled up before cold.max_bytes"},
+                       "disk_bound": {"type": "boolean", "description": "the disk (free space, cold.map_size_max) "
+                                                                       "holds less than cold.max_bytes: cold evicts "
+                                                                       "at the disk's limit"}},
+                      description="the cold tier's write health; a full cold tier does not hold readiness back"),
     "TierStats": _obj({
         "capacity_bytes": _int(), "used_bytes": _int(), "pages": _int(), "referenced_pages": _int(),
         "pinned_pages": _int(), "allocated_pages": _int(),
@@ -84,7 +104,7 @@ SCHEMAS = {
         "tiers": _obj({t: _ref("TierStats") for t in TIERS}),
         "bytes_moved": {"type": "object", "additionalProperties": _int(),
                         "description": "bytes copied between tiers, by direction (e.g. hot_to_warm)"},
-        "entries": _int(), "corrupt_pages": _int(), "mismatched_pages": _int(),
+        "entries": _int(), "corrupt_pages": _int(), "mismatched_pages": _int(), "cold": _ref("ColdState"),
         "eviction_policy": {"type": "string"}, "write_policy": {"type": "string"},
         "queue_depth": {**_int(), "description": "requests waiting in the engine (0 without an engine)"},
         "running": {**_int(), "description": "requests the engine is running (0 without an engine)"},

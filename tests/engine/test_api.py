@@ -272,7 +272,7 @@ async def test_openai_client_sees_errors(api):
 
 # errors
 BAD_REQUESTS = [
-    ("prompt longer than max_seq_len", completion([1] * 5000), "maximum sequence length", None),
+    ("prompt longer than max_seq_len", completion([1] * 5000), "maximum context length is 4096 tokens", "prompt"),
     ("temperature -1", completion("x", temperature=-1), "temperature = -1: must be", "temperature"),
     ("top_p 0", completion("x", top_p=0), "top_p = 0: must be", "top_p"),
     ("max_tokens 0", completion("x", max_tokens=0), "max_tokens = 0: must be", "max_tokens"),

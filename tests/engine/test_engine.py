@@ -205,3 +205,31 @@ def test_without_a_cold_tier_full_tiers_still_make_room(tmp_path):
             assert out.finish_reason == "length" and len(out.token_ids) == 4, tenant
     finally:
         llm.close()
+
+
+def test_a_request_that_cannot_be_scheduled_fails_alone_and_once(tmp_path, monkeypatch):
+    """Scheduling raises for one waiting request: that request ends with "error", once; the request
+    already running is not failed with it and keeps the tokens of its run alone."""
+    llm = make_llm(tmp_path, hot__pool="16MiB", warm__bytes="16MiB")
+    alone = llm.generate([prompt_ids(1, 40)], SamplingParams(max_tokens=12))[0].token_ids
+    good = llm.make_request(prompt_ids(1, 40), SamplingParams(max_tokens=12), tenant="g")
+    bad = llm.make_request(prompt_ids(2, 40), SamplingParams(max_tokens=12), tenant="b")
+    admit = llm.scheduler._admit
+
+    def admit_or_raise(req, budget):
+        if req is bad:
+            raise RuntimeError("this request cannot be scheduled")
+        return admit(req, budget)
+
+    monkeypatch.setattr(llm.scheduler, "_admit", admit_or_raise)
+    llm.submit(good)
+    llm.step()                       # good runs first
+    llm.submit(bad)
+    for _ in range(200):
+        if not llm.has_work():
+            break
+        llm.step()
+    assert not llm.has_work()
+    assert bad.finish_reason == "error" and "cannot be scheduled" in bad.error
+    assert llm.failed_steps == 1
+    assert good.finish_reason == "length" and good.tokens[len(good.prompt):] == alone

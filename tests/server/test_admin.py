@@ -167,7 +167,11 @@ async def test_health_and_readiness(admin):
     assert await admin.get("/healthz") == (200, {"status": "ok"})
     status, ready = await admin.get("/readyz")
     assert status == 200 and ready == {"ready": True, "checks": {"store": True, "engine": True, "accepting": True},
-                                       "cluster": "disabled", "cold_index": {"done": True, "pages": 0}}
+                                       "cluster": "disabled", "cold_index": {"done": True, "pages": 0},
+                                       "peers": {"serving": False, "fetching": False,
+                                                 "reason": "no cluster: cluster.redis_url is not set"},
+                                       "cold": {"enabled": True, "write_errors": 0, "last_error": "", "full": False,
+                                                "evicted_for_room": 0, "disk_bound": False}}
     set_draining(admin.app)
     status, ready = await admin.get("/readyz")
     assert status == 503 and ready["ready"] is False and ready["checks"]["accepting"] is False

@@ -6,7 +6,6 @@ against the document; afterwards the server is healthy and the store's index agr
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import threading
 import urllib.parse
@@ -16,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
+from httputil import KeptAlive
 from kvstore.daemon import Daemon
 from kvstore.server import admin_url, create_admin_app, start_admin
 from kvstore.server.openapi import DOCUMENT
@@ -81,7 +81,6 @@ class ThreadedAdmin:
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._serve(),), daemon=True)
-        self.conn: http.client.HTTPConnection | None = None
         self.requests = 0
         self.validators: dict = {}
 
@@ -97,12 +96,12 @@ class ThreadedAdmin:
     def __enter__(self) -> "ThreadedAdmin":
         self.thread.start()
         assert self.ready.wait(30), "the admin server did not start"
-        self.host, self.port = self.url.split("//")[1].rsplit(":", 1)
+        host, port = self.url.split("//")[1].rsplit(":", 1)
+        self.http = KeptAlive(host, int(port), timeout=30)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.conn:
-            self.conn.close()
+        self.http.close()
         self.loop.call_soon_threadsafe(self.stopping.set)
         self.thread.join(30)
         self.loop.close()
@@ -114,22 +113,7 @@ class ThreadedAdmin:
             del headers["Authorization"]
         if body is not None:
             headers["Content-Type"] = "application/json"
-        for attempt in range(2):   # the server may close a kept-alive connection (e.g. after an error)
-            if self.conn is None:
-                self.conn = http.client.HTTPConnection(self.host, int(self.port), timeout=30)
-            try:
-                self.conn.request(method, path, body=body, headers=headers)
-                resp = self.conn.getresponse()
-                data = resp.read()
-                if resp.getheader("Connection", "").lower() == "close":
-                    self.conn.close()
-                    self.conn = None
-                break
-            except (http.client.HTTPException, ConnectionError):
-                self.conn.close()
-                self.conn = None
-                if attempt:
-                    raise
+        resp, data = self.http.send(method, path, body, headers)
         self.requests += 1
         assert resp.status < 500, f"{method} {path}: {resp.status} {data[:300]!r}"
         if resp.getheader("Content-Type", "").startswith("application/json") and method != "HEAD":

@@ -2,13 +2,18 @@
 shape): D documents of L tokens, Q questions each. Round 1 asks each document's first question
 (with the connector, that computes and saves the document); round 2 asks the other questions, and
 its mean TTFT is what is compared. vLLM's own KV cache holds about one document, so its prefix
-cache cannot keep the documents between rounds.
+cache cannot keep the documents between rounds; it keeps only the first block of the document
+asked before (it evicts a finished request's blocks tail first), so with --docs 2 each question
+finds its first block there and the other ones (31 of 32) in kvstore.
 
 Modes, each in its own process, in one run: `baseline` (vLLM alone, prefix caching on), `warm`
 (the connector; round 2 finds the documents in the sidecar's warm tier), `cold` (the sidecar is
 restarted between the rounds, so round 2 loads them from its cold tier). Prints JSON.
 
-    python -m kvstore_vllm.bench [--docs 4] [--doc-tokens 4096] [--questions 3] [--model small]
+    python -m kvstore_vllm.bench [--docs 4] [--doc-tokens 4096] [--questions 3] [--model small|tiny|DIR]
+
+--model takes a random Llama's size or a Hugging Face model directory (a real model, e.g. the one
+scripts/real_model builds); the prompts are random token ids of its vocabulary either way.
 """
 
 from __future__ import annotations
@@ -88,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=int, default=4, help="documents (default 4)")
     p.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document (default 4096)")
     p.add_argument("--questions", type=int, default=3, help="questions per document (default 3)")
-    p.add_argument("--model", default="small", choices=("tiny", "small"),
-                   help="size of the random Llama (small: ~100M parameters, the default)")
+    p.add_argument("--model", default="small",
+                   help="size of a random Llama (tiny, or small: ~100M parameters, the default), or a Hugging "
+                        "Face model directory")
     p.add_argument("--warm-bytes", default="2GiB", help="the sidecar's warm tier (default 2GiB)")
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
@@ -98,9 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode:
         print(json.dumps(run_mode(args)))
         return 0
-    from kvstore_vllm.testing import make_model
+    from kvstore_vllm.testing import MODELS, make_model
     root = Path(tempfile.mkdtemp(prefix="kvb-"))
-    model = make_model(root / f"model-{args.model}", args.model)
+    if args.model in MODELS:
+        model = make_model(root / f"model-{args.model}", args.model)
+    elif (Path(args.model) / "config.json").is_file():
+        model = Path(args.model).resolve()
+    else:
+        p.error(f"--model {args.model!r}: not one of {', '.join(MODELS)} nor a model directory (no config.json)")
     results = {}
     for mode in ("baseline", "warm", "cold"):
         cmd = [sys.executable, "-m", "kvstore_vllm.bench", "--mode", mode, "--work", str(root / mode),

@@ -315,8 +315,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if failed:
             log.warning("kvstore: request %s: %d of %d blocks could not be loaded; vLLM recomputes them",
                         load.req_id, len(failed), len(load.block_ids))
-        log.info("kvstore: request %s: loaded %d tokens (%d blocks) from kvstore", load.req_id,
-                 got * self.block_size, got)
+        log.info("kvstore: request %s: loaded %d tokens (%d blocks) from kvstore, after the %d that vLLM's own "
+                 "prefix cache held", load.req_id, got * self.block_size, got, load.start_page * self.block_size)
         return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:

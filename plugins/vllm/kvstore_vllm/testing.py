@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+HOT_PAGES = 4   # the sidecar's hot tier: unused (pages move through warm), but it must hold a page
+
 # the shape of a model: tiny (tests) and small (~100M parameters, the benchmark)
 MODELS = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -55,6 +57,12 @@ def model_shape(directory: Path) -> dict:
     return json.loads((Path(directory) / "config.json").read_text())
 
 
+def page_bytes(model_dir: Path, dtype: str, block_size: int) -> int:
+    """The bytes of one kvstore page (one vLLM block of every layer) of this model."""
+    from kvstore.shapes import load_shape
+    return load_shape(str(model_dir)).kv_spec(dtype, block_size).page_bytes
+
+
 def connector_config(socket: Path | str, **extra) -> dict:
     """vLLM's kv_transfer_config for the connector."""
     return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore_vllm.connector",
@@ -63,14 +71,16 @@ def connector_config(socket: Path | str, **extra) -> dict:
 
 
 class Sidecar:
-    """`python -m kvstore sidecar` for a model directory, pages of `block_size` tokens, float32 KV."""
+    """`python -m kvstore sidecar` for a model directory, pages of `block_size` tokens, float32 KV;
+    its hot pool holds HOT_PAGES pages of that model (overrides are config keys, e.g. hot.pool)."""
 
     def __init__(self, model_dir: Path, data_dir: Path, socket: Path, block_size: int = 128,
                  warm_bytes: str = "256MiB", cold_bytes: str = "1GiB", **overrides):
         self.model_dir, self.data_dir, self.socket = model_dir, Path(data_dir), Path(socket)
         self.settings = {"model": str(model_dir), "kv_dtype": "float32", "page_size": block_size,
-                         "hot.pool": "4MiB", "warm.bytes": warm_bytes, "cold.max_bytes": cold_bytes,
-                         **overrides}
+                         "warm.bytes": warm_bytes, "cold.max_bytes": cold_bytes, **overrides}
+        self.settings.setdefault("hot.pool", HOT_PAGES * page_bytes(model_dir, self.settings["kv_dtype"],
+                                                                    int(self.settings["page_size"])))
         self.proc: subprocess.Popen | None = None
         self.start()
 
