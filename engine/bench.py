@@ -11,6 +11,8 @@ long-doc-qa  Many questions over the same long document. Time to first token (th
 decode       Batched greedy decoding throughput (generated tokens a second, prefill included) of
              the engine against transformers' generate on the same weights, batch and lengths
              (equal-length prompts, no padding). The first tokens of every sequence must agree.
+compare      Prefill TTFT, batched decode and cached-prefix TTFT of the engine, transformers and vLLM
+             (its CPU build, in its own venv) in interleaved rounds: engine/bench_compare.py.
 
 Documents, questions and prompts are deterministic synthetic token ids. Model weights are a
 preset's seeded random weights or a Hugging Face directory's; transformers gets the engine's
@@ -484,14 +486,16 @@ examples:
   scripts/bench_engine long-doc-qa --doc-tokens 2048 --skip-hf
   scripts/bench_engine decode --json                       batch 16, 64 + 256 tokens, against transformers
   scripts/bench_engine decode --profile 25                 also where the engine's time goes (cProfile)
+  scripts/bench_engine compare --model DIR --json          prefill, decode, cached-prefix TTFT against
+                                                           transformers and vLLM (engine/bench_compare.py)
 """
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="small",
-                   help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face model directory (default small)")
+def _common(p: argparse.ArgumentParser, model: str = "small") -> None:
+    p.add_argument("--model", default=model,
+                   help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face model directory (default {model})")
     p.add_argument("--dtype", default="float32", help="engine and transformers dtype (default float32)")
-    p.add_argument("--attention-backend", default="auto", help="auto, torch or flashinfer (default auto)")
+    p.add_argument("--attention-backend", default="auto", help="auto, sdpa, torch or flashinfer (default auto: flashinfer on CUDA, else sdpa)")
     p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face transformers")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other config key for the engine, e.g. --set engine.decode_concurrency=32")
@@ -531,6 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="profile one more engine run with cProfile and report its top N functions")
     dec.set_defaults(func=run_decode, fmt=format_decode,
                      ok=lambda r: r["tokens_match"] is not False or r["dtype"] != "float32")
+    from engine.bench_compare import add_parser   # it imports this module's helpers
+    add_parser(sub)
     return parser
 
 

@@ -22,11 +22,14 @@ import torch
 
 from engine.attention import create_backend
 from engine.loader import load_model
+from engine.model import can_prepack
 from engine.request import QueueFull, Request, RequestOutput, Status, StepFailed
 from engine.runner import ModelRunner
 from engine.sampler import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler
+from engine.tokenizer import check_text
 from kvstore.config import Config, key_paths, load_config
+from kvstore.errors import ConfigError
 from kvstore.store import TieredStore
 from kvstore.tiers.device import resolve_device
 
@@ -52,7 +55,8 @@ class LLM:
         device = resolve_device(cfg.hot.device)
         dtype = cfg.engine.dtype if cfg.engine.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
         self.dtype = getattr(torch, dtype)
-        self.loaded = load_model(model, self.dtype, device, cfg.engine.seed)
+        self.loaded = load_model(model, self.dtype, device, cfg.engine.seed,
+                                 prepack=_prepack(cfg.engine.prepack_weights, device, self.dtype))
         self.tokenizer = self.loaded.tokenizer
         self.model_name = model.rstrip("/").split("/")[-1] if "/" in model else model
         kv_dtype = cfg.kv_dtype if cfg.kv_dtype != "auto" else dtype
@@ -86,7 +90,7 @@ class LLM:
         if pages > room:
             raise InvalidRequest(f"prompt needs {pages} KV pages; the hot and warm tiers hold {room} "
                                  "(raise hot.pool or warm.bytes)")
-        tenant_ns = "" if self.config.engine.share_across_tenants else tenant
+        tenant_ns = "" if self.config.engine.share_across_tenants else check_text(tenant, "tenant")
         return Request(request_id or f"req-{next(_ids)}", ids, params, self.store.namespace(tenant_ns),
                        tenant=tenant, priority=priority)
 
@@ -150,9 +154,12 @@ class LLM:
         return changed
 
     def _fail_step(self, batch: list[tuple[Request, int]], exc: Exception) -> list[Request]:
-        """Fail the step's requests (all running ones when scheduling itself failed)."""
+        """Fail the step's requests. When scheduling itself failed: the request it was scheduling
+        (else every running one), so that a request that cannot be scheduled never fails step
+        after step."""
         self.failed_steps += 1
-        victims = [r for r, _ in batch] or list(self.scheduler.running)
+        culprit = self.scheduler.current
+        victims = [r for r, _ in batch] or ([culprit] if culprit is not None else list(self.scheduler.running))
         log.error("engine step %d failed; failing its %d requests", self.scheduler.step_no, len(victims),
                   exc_info=exc)
         failed = []
@@ -227,6 +234,16 @@ class LLM:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _prepack(value: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """engine.prepack_weights: auto = wherever it can (the CPU, float32 or bfloat16)."""
+    possible = can_prepack(device, dtype)
+    if value == "true" and not possible:
+        raise ConfigError("engine.prepack_weights", value,
+                          f"needs the CPU and float32 or bfloat16 weights (here: {device.type}, "
+                          f"{str(dtype).removeprefix('torch.')}); use auto or false")
+    return value == "true" or (value == "auto" and possible)
 
 
 def _flatten(cfg: Config) -> dict:

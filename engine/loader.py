@@ -25,20 +25,22 @@ class LoadedModel:
     sliding_window: int | None = None
 
 
-def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
+def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
+               prepack: bool = False) -> LoadedModel:
     """`model` is a preset name (kvstore.shapes.PRESETS: random weights drawn from `seed`) or a
-    Hugging Face model directory (config.json, *.safetensors, tokenizer.json)."""
+    Hugging Face model directory (config.json, *.safetensors, tokenizer.json). `prepack` also keeps
+    the projections' weights in oneDNN's layout (CPU; engine.model.Projection)."""
     if model in PRESETS:
         shape = PRESETS[model]
         net = _random_model(shape, seed)
-        return LoadedModel(_finish(net, dtype, device), shape, load_tokenizer(model),
+        return LoadedModel(_finish(net, dtype, device, prepack), shape, load_tokenizer(model),
                            f"preset:{model}:seed{seed}")
     path = Path(model)
     if not path.is_dir():
         raise ConfigError("model", model, f"must be a preset ({', '.join(PRESETS)}) or a model directory")
     shape, tokenizer, files = from_hf_config(path), load_tokenizer(model), _weight_files(path)
     net = _checkpoint_model(shape, files, dtype)
-    return LoadedModel(_finish(net, dtype, device), shape, tokenizer,
+    return LoadedModel(_finish(net, dtype, device, prepack), shape, tokenizer,
                        f"{path.resolve().name}:{_digest(path / 'config.json', files)}", path,
                        shape.sliding_window)
 
@@ -104,12 +106,13 @@ def _checkpoint_model(shape: ModelShape, files: list[Path], dtype: torch.dtype) 
     return net
 
 
-def _finish(net: LlamaModel, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def _finish(net: LlamaModel, dtype: torch.dtype, device: torch.device, prepack: bool) -> LlamaModel:
     inv_freq = rope_inv_freq(net.shape)   # the model was built on the meta device
     net.inv_freq = inv_freq
     net.to(device=device, dtype=dtype)
     _tie(net)
     net.inv_freq = inv_freq.to(device)    # fp32 whatever the weights' dtype
+    net.fuse(prepack)
     return net.eval()
 
 

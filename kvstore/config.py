@@ -24,6 +24,7 @@ ENV_PREFIX = "KVSTORE_"
 ENV_CONFIG_FILE = "KVSTORE_CONFIG"
 WRITE_POLICIES = ("write_back", "write_through")
 PREFETCH_POLICIES = ("best_effort", "wait", "timeout")
+ON_DAMAGE = ("refuse", "quarantine")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -137,6 +138,8 @@ class ColdConfig:
     high_watermark: float = opt(0.95, _float, "a number in (0, 1]", _unit)
     low_watermark: float = opt(0.85, _float, "a number in (0, 1] below high_watermark", _unit)
     write_batch: int = opt(64, _int, "an integer >= 1", lambda v: v >= 1)
+    on_damage: str = opt("refuse", _str, f"one of {', '.join(ON_DAMAGE)} (a damaged LMDB file at start: refuse to "
+                         "start, or set the store aside and start empty)", lambda v: v in ON_DAMAGE)
 
 
 @dataclass(frozen=True)
@@ -168,8 +171,10 @@ SCHEDULER_POLICIES = ("fcfs", "priority", "preemptive")
 class EngineConfig:
     dtype: str = opt("auto", _str, f"one of {', '.join(ENGINE_DTYPES)} (auto: bfloat16 on GPU, float32 on CPU)",
                      lambda v: v in ENGINE_DTYPES)
-    attention_backend: str = opt("auto", _str, "auto, flashinfer or torch",
-                                 lambda v: v in ("auto", "flashinfer", "torch"))
+    attention_backend: str = opt("auto", _str, "auto, flashinfer, sdpa or torch",
+                                 lambda v: v in ("auto", "flashinfer", "sdpa", "torch"))
+    prepack_weights: str = opt("auto", _str, "auto, true or false (true needs the CPU and float32 or bfloat16)",
+                               lambda v: v in ("auto", "true", "false"))
     max_batch_tokens: int = opt(8192, _int, "an integer >= 1", lambda v: v >= 1)
     prefill_chunk_tokens: int = opt(512, _int, "an integer >= 1", lambda v: v >= 1)
     prefill_concurrency: int = opt(4, _int, "an integer >= 1", lambda v: v >= 1)

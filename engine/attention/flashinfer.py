@@ -46,4 +46,4 @@ class FlashInferBackend(AttentionBackend):
             self.wrapper = self.prefill
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, warm_cache: torch.Tensor | None = None) -> torch.Tensor:
-        return self.wrapper.run(q, kv_cache)
+        return self.wrapper.run(q.contiguous(), kv_cache)

@@ -94,9 +94,10 @@ def new_caches(model: LlamaModel, tokens: int) -> list[torch.Tensor]:
             for _ in range(s.num_layers)]
 
 
-def step(model: LlamaModel, caches: list[torch.Tensor], token_ids: list[int], start: int) -> torch.Tensor:
+def step(model: LlamaModel, caches: list[torch.Tensor], token_ids: list[int], start: int,
+         backend: str = "torch") -> torch.Tensor:
     """Run tokens at positions start.. of one sequence (the first `start` already cached) -> fp32
-    logits [len(token_ids), vocab]."""
+    logits [len(token_ids), vocab], through the named attention backend."""
     s, device = model.shape, next(model.parameters()).device
     n = start + len(token_ids)
     batch = AttentionBatch(qo_indptr=[0, len(token_ids)], page_tables=[list(range(caches[0].shape[0]))],
@@ -104,19 +105,19 @@ def step(model: LlamaModel, caches: list[torch.Tensor], token_ids: list[int], st
                            num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, device=device)
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     positions = torch.arange(start, n, device=device)
-    return model(ids, positions, batch, caches, create_backend("torch", device))
+    return model(ids, positions, batch, caches, create_backend(backend, device))
 
 
-def run_prefill(model: LlamaModel, token_ids: list[int]) -> torch.Tensor:
+def run_prefill(model: LlamaModel, token_ids: list[int], backend: str = "torch") -> torch.Tensor:
     """Logits [T, vocab] of a whole prompt in one prefill step."""
-    return step(model, new_caches(model, len(token_ids)), token_ids, 0)
+    return step(model, new_caches(model, len(token_ids)), token_ids, 0, backend)
 
 
-def greedy(model: LlamaModel, token_ids: list[int], n: int) -> list[int]:
+def greedy(model: LlamaModel, token_ids: list[int], n: int, backend: str = "torch") -> list[int]:
     """n greedy tokens: one prefill, then one decode step per token through the paged cache."""
     caches = new_caches(model, len(token_ids) + n)
-    out = [int(step(model, caches, token_ids, 0)[-1].argmax())]
+    out = [int(step(model, caches, token_ids, 0, backend)[-1].argmax())]
     while len(out) < n:
         pos = len(token_ids) + len(out) - 1
-        out.append(int(step(model, caches, [out[-1]], pos)[-1].argmax()))
+        out.append(int(step(model, caches, [out[-1]], pos, backend)[-1].argmax()))
     return out

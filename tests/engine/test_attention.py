@@ -54,6 +54,29 @@ def test_torch_reference_matches_dense_attention(q_lens, kv_lens):
     assert torch.allclose(be.run(q, cache), dense_reference(batch, q, cache).to(q.dtype), atol=1e-5)
 
 
+@pytest.mark.parametrize("q_lens,kv_lens", [([1, 1, 1], [5, 16, 40]), ([1, 1], [32, 32]), ([7, 33, 1], [7, 50, 17]),
+                                            ([16], [16]), ([3, 20], [35, 20]), ([1, 40], [300, 40])])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_sdpa_matches_torch_reference(q_lens, kv_lens, dtype, tol):
+    batch, q, cache = random_batch("cpu", dtype, q_lens, kv_lens, num_pages=64)
+    ref, fast = create_backend("torch", batch.device), create_backend("sdpa", batch.device)
+    ref.plan(batch, dtype)
+    fast.plan(batch, dtype)
+    torch.testing.assert_close(fast.run(q, cache).float(), ref.run(q, cache).float(), atol=tol, rtol=tol)
+
+
+def test_sdpa_reads_spilled_pages_like_the_reference():
+    """A sequence whose oldest pages were spilled to the warm tier: both backends read them from there."""
+    batch, q, cache = random_batch("cpu", torch.float32, [5, 1], [70, 33], num_pages=64)
+    warm = torch.randn((8, 2, PS, HKV, D), generator=torch.Generator().manual_seed(3))
+    batch.warm_tables = [[6, 2], []]            # sequence 0: its first two pages are in warm slots 6 and 2
+    batch.page_tables[0] = batch.page_tables[0][:-(-70 // PS) - 2]
+    ref, fast = create_backend("torch", batch.device), create_backend("sdpa", batch.device)
+    ref.plan(batch, torch.float32)
+    fast.plan(batch, torch.float32)
+    torch.testing.assert_close(fast.run(q, cache, warm), ref.run(q, cache, warm), atol=1e-5, rtol=1e-5)
+
+
 def test_unknown_or_unavailable_backend_is_a_clear_error():
     with pytest.raises(ConfigError, match="attention_backend"):
         create_backend("xformers", torch.device("cpu"))

@@ -1,0 +1,86 @@
+"""The fast CPU path (fused projections, weights prepacked for oneDNN, sdpa attention) against the
+reference path (separate F.linear projections, torch attention): same greedy tokens, logits within a
+tolerance, and a prepacked copy never outlives a change of the weights it was made from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine import LLM, SamplingParams
+from engine.loader import load_model
+from engine.model import Projection, can_prepack
+from kvstore.errors import ConfigError
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(not can_prepack(CPU, torch.float32), reason="oneDNN is not in this torch build")
+
+
+def linears(seed: int = 0, bias: bool = True) -> list[nn.Linear]:
+    torch.manual_seed(seed)
+    return [nn.Linear(48, n, bias=bias) for n in (32, 16, 16)]
+
+
+@pytest.mark.parametrize("prepack", [False, pytest.param(True, marks=needs_onednn)])
+def test_projection_equals_its_linears(prepack):
+    parts = linears()
+    x = torch.randn(5, 48)
+    with torch.no_grad():
+        expected = torch.cat([m(x) for m in parts], dim=-1)
+        proj = Projection(*parts, prepack=prepack)
+        torch.testing.assert_close(proj(x), expected, atol=1e-5, rtol=1e-5)
+        # the linears are views of the fused weight: each still gives its own output
+        torch.testing.assert_close(parts[1](x), expected[:, 32:48])
+
+
+@needs_onednn
+@pytest.mark.parametrize("change", ["in_place", "assigned"])
+def test_a_changed_weight_is_never_served_from_the_prepacked_copy(change):
+    parts = linears()
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        proj = Projection(*parts, prepack=True)
+        before = proj(x)
+        if change == "in_place":
+            parts[0].weight.mul_(2.0)                    # e.g. load_state_dict copying into it
+        else:
+            parts[0].weight = nn.Parameter(parts[0].weight * 2.0, requires_grad=False)
+        after = proj(x)
+        torch.testing.assert_close(after, torch.cat([m(x) for m in parts], dim=-1), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(after[:, :32], before[:, :32])
+
+
+def test_prepacked_model_keeps_its_state_dict():
+    plain = load_model("tiny", torch.float32, CPU, prepack=False).model.state_dict()
+    packed = load_model("tiny", torch.float32, CPU, prepack=can_prepack(CPU, torch.float32)).model.state_dict()
+    assert plain.keys() == packed.keys()
+    for name in plain:
+        assert torch.equal(plain[name], packed[name]), name
+
+
+def test_prepack_true_where_it_cannot_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="prepack_weights"):
+        LLM("tiny", dtype="float16", prepack_weights="true", data_dir=str(tmp_path), hot__device="cpu")
+    with pytest.raises(ConfigError, match="prepack_weights"):
+        LLM("tiny", prepack_weights="yes", data_dir=str(tmp_path), hot__device="cpu")
+
+
+def test_fast_engine_gives_the_reference_engines_tokens(tmp_path):
+    """Batched prompts with a shared prefix (a cache hit on the second round), chunked prefill and
+    decode: every greedy token of the fast path equals the reference path's."""
+    common = dict(dtype="float32", hot__device="cpu", engine__prefill_chunk_tokens=24, page_size=16)
+    ref = LLM("small", attention_backend="torch", prepack_weights="false", data_dir=str(tmp_path / "ref"), **common)
+    fast = LLM("small", attention_backend="sdpa", data_dir=str(tmp_path / "fast"), **common)
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(10, 8000, (70,), generator=g).tolist()
+    prompts = [shared + torch.randint(10, 8000, (n,), generator=g).tolist() for n in (3, 17, 40)]
+    prompts.append(torch.randint(10, 8000, (9,), generator=g).tolist())
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for round_ in range(2):                                # round 2 reuses the cached prefixes
+        a = ref.generate(prompts, params)
+        b = fast.generate(prompts, params)
+        assert [o.token_ids for o in a] == [o.token_ids for o in b], f"round {round_}"
+    assert sum(b[0].cached_tokens.values()) > 0
+    for llm in (ref, fast):
+        llm.close()
