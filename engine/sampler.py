@@ -29,25 +29,31 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         checks = [
-            (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
-             "max_tokens", "an integer >= 1"),
-            (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 100, "temperature",
-             "a number in [0, 100]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0"),
-            (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
-            (self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63), "seed",
+            (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
+            (_is_number(self.temperature) and 0 <= self.temperature <= 100, "temperature", "a number in [0, 100]"),
+            (_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0"),
+            (_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
+            (self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
              "an integer in [-2^63, 2^63)"),
-            (isinstance(self.stop_token_ids, list) and all(isinstance(t, int) for t in self.stop_token_ids),
+            (isinstance(self.stop_token_ids, list) and all(_is_int(t) for t in self.stop_token_ids),
              "stop_token_ids", "a list of integers"),
             (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
              "a list of non-empty strings"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
+            (self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
              "an integer in [0, 20]"),
         ]
         for ok, name, allowed in checks:
             if not ok:
                 raise InvalidRequest(f"{name} = {getattr(self, name)!r}: must be {allowed}")
         return self
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)   # JSON true is not 1
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

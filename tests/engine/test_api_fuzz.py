@@ -291,6 +291,12 @@ REPORTED = [
     ("1e400", "/v1/completions", b'{"prompt": "x", "max_tokens": 1e400}', "max_tokens", "max_tokens = inf: must be"),
     ("10**30", "/v1/completions", b'{"prompt": "x", "max_tokens": 1000000000000000000000000000000}', "max_tokens",
      "maximum context length is 64 tokens"),
+    ("true as top_k", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "0"}], "top_k": true}',
+     "top_k", "top_k = True: must be an integer >= 0"),
+    ("true as temperature", "/v1/completions", b'{"prompt": "x", "temperature": true}', "temperature",
+     "temperature = True: must be a number"),
+    ("true in stop_token_ids", "/v1/completions", b'{"prompt": "x", "stop_token_ids": [true]}', "stop_token_ids",
+     "must be a list of integers"),
 ]
 
 
