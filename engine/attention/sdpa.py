@@ -1,7 +1,7 @@
 """The fast CPU (and any-device) backend: PyTorch's fused scaled_dot_product_attention over the pages.
 
-It reads a layer's K/V from the cache once per sequence and step, as strided views of the
-gathered pages (no per-head expansion: grouped heads go through `enable_gqa`, or, for one
+It reads a layer's K and V from the cache once per sequence and step, each in one gather of
+page halves (no per-head expansion: grouped heads go through `enable_gqa`, or, for one
 query token, as rows of their KV head), and never builds a score matrix of its own: a whole
 prompt runs causal, a chunk after a cached prefix with a bottom-right mask built once per step,
 and a decode-only step as one padded batch. It differs from the torch reference (engine/
@@ -15,6 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionBatch
+
+
+def gather(cache: torch.Tensor, which: int, pages: torch.Tensor) -> torch.Tensor:
+    """K (which=0) or V (1) of these pages, contiguous: [pages, page_size, kv_heads, head_dim]. One
+    index_select of whole page halves (a memcpy each; cache[idx] goes element by element), so that
+    the token axis merges without another copy."""
+    return cache.select(1, which).index_select(0, pages)
 
 
 class SdpaBackend(AttentionBackend):
@@ -51,11 +58,9 @@ class SdpaBackend(AttentionBackend):
     def _run_decode(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         b = self.batch
         seqs, kvh, d = b.num_seqs, b.num_kv_heads, b.head_dim
-        # index_select copies whole pages (memcpy); kv_cache[idx] goes element by element
-        kv = kv_cache.index_select(0, self._pages.view(-1)).view(*self._pages.shape, *kv_cache.shape[1:])
-        # [seqs, width, 2, page_size, kv_heads, head_dim]
-        k = kv[:, :, 0].reshape(seqs, -1, kvh, d).transpose(1, 2)     # [seqs, kv_heads, width*ps, head_dim]
-        v = kv[:, :, 1].reshape(seqs, -1, kvh, d).transpose(1, 2)
+        k = gather(kv_cache, 0, self._pages.view(-1)).view(seqs, -1, kvh, d).transpose(1, 2)
+        v = gather(kv_cache, 1, self._pages.view(-1)).view(seqs, -1, kvh, d).transpose(1, 2)
+        # [seqs, kv_heads, width*page_size, head_dim]
         qg = q.view(seqs, kvh, self.group, d)               # a KV head's query heads as its query rows
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=self._valid)
         return out.reshape(seqs, b.num_qo_heads, d)
@@ -65,12 +70,13 @@ class SdpaBackend(AttentionBackend):
         kvh, d = b.num_kv_heads, b.head_dim
         out = torch.empty_like(q)
         for lo, hi, n, pages, warm, mask in self._seqs:
-            kv = kv_cache.index_select(0, pages)            # [pages, 2, page_size, kv_heads, head_dim]
+            k, v = gather(kv_cache, 0, pages), gather(kv_cache, 1, pages)   # [pages, page_size, kv_heads, head_dim]
             if warm is not None:                            # the oldest pages, spilled to warm
-                kv = torch.cat([warm_cache.index_select(0, warm).to(kv.device), kv])
+                k = torch.cat([gather(warm_cache, 0, warm).to(k.device), k])
+                v = torch.cat([gather(warm_cache, 1, warm).to(v.device), v])
             # 4-D views [1, kv_heads, n, head_dim]: the fused CPU kernel takes only 4-D inputs
-            k = kv[:, 0].reshape(-1, kvh, d)[:n].transpose(0, 1)[None]
-            v = kv[:, 1].reshape(-1, kvh, d)[:n].transpose(0, 1)[None]
+            k = k.view(-1, kvh, d)[:n].transpose(0, 1)[None]
+            v = v.view(-1, kvh, d)[:n].transpose(0, 1)[None]
             if hi - lo == 1:                                # one query: its heads as rows, nothing masked
                 qg = q[lo].view(1, kvh, self.group, d)
                 out[lo] = F.scaled_dot_product_attention(qg, k, v).reshape(-1, d)
