@@ -44,7 +44,6 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 MAX_CHOICES = 64                # prompts x n in one request
 COMPLETION_MAX_TOKENS = 16      # a completion's max_tokens when left out (OpenAI's), if it fits
 CLIENT_CLOSED = 499             # the status logged for a request whose client went away (nginx's)
-DISCONNECT_POLL_S = 0.2
 WARM_UP_LENGTHS = (8, 64, 200)  # prompt tokens
 WARM_UP_TEXT = "The quick brown fox jumps over the lazy dog. "
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -79,10 +78,6 @@ class ApiError(Exception):
     def response(self) -> web.Response:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return web.json_response({"error": error}, status=self.status, headers=self.headers)
-
-
-class ClientGone(ConnectionResetError):
-    """The client closed its connection before its answer was complete."""
 
 
 # parsing
@@ -264,21 +259,12 @@ async def _pump(index: int, stream: AsyncIterator[RequestOutput], queue: asyncio
     queue.put_nowait((index, None))
 
 
-async def _watch(request: web.Request, queue: asyncio.Queue) -> None:
-    """Puts ClientGone on `queue` once the client's connection has closed. aiohttp cancels a handler
-    on a disconnect only when its server runs with handler_cancellation, so this polls."""
-    while request.transport is not None and not request.transport.is_closing():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-    queue.put_nowait((-1, ClientGone("the client closed the connection")))
-
-
-async def _merged(request: web.Request, streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, cumulative output) from every engine stream as they come; raises the first
-    error, or ClientGone when the client disconnects. Closing it closes every stream (which aborts
-    the engine requests still running)."""
+    error. Closing it (also when the handler is cancelled because its client left: see api_runner)
+    closes every stream, which aborts the engine requests still running."""
     queue: asyncio.Queue = asyncio.Queue()
     pumps = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(streams)]
-    pumps.append(asyncio.create_task(_watch(request, queue)))
     try:
         running = len(streams)
         while running:
@@ -391,16 +377,13 @@ async def _answer(request: web.Request, job: Job, chat: bool) -> web.StreamRespo
             "model": engine.llm.model_name}
     streams = [engine.generate(prompt, params, tenant=job.tenant, request_id=f"{rid}-{i}", priority=job.priority)
                for i, (prompt, params) in enumerate(job.requests())]
-    async with aclosing(_merged(request, streams)) as outputs:
+    async with aclosing(_merged(streams)) as outputs:
         if job.stream:
             head["object"] += ".chunk" if chat else ""
             return await _stream(request, job, chat, head, outputs, len(streams))
         last: dict[int, RequestOutput] = {}
-        try:
-            async for i, out in outputs:
-                last[i] = out
-        except ClientGone:
-            return web.Response(status=CLIENT_CLOSED)
+        async for i, out in outputs:
+            last[i] = out
     outs = [last[i] for i in range(len(streams))]
     tok = engine.llm.tokenizer
     body = {**head, "choices": [_final_choice(i, o, job, chat, tok) for i, o in enumerate(outs)],
@@ -533,6 +516,13 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
     except Exception as exc:  # noqa: BLE001 - answered 500 and logged
         _log_failure(request, exc)
         return ApiError(500, "internal server error (logged on the server)", type="server_error").response()
+
+
+def api_runner(app: web.Application, **kwargs) -> web.AppRunner:
+    """The runner the API is served with: a handler is cancelled when its client disconnects
+    (aiohttp's AppRunner does not do that by default), so a request nobody waits for is aborted
+    and its pages are released, streamed or not."""
+    return web.AppRunner(app, handler_cancellation=True, **kwargs)
 
 
 def create_app(engine: AsyncLLM, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from kvstore.config import load_config
-from kvstore.record import PREFIX_BYTES
+from kvstore.keys import Namespace, page_keys, tokens_bytes
+from kvstore.record import PREFIX_BYTES, RecordHeader
 from kvstore.spec import KVSpec
 from kvstore.store import TieredStore
 
@@ -67,3 +69,17 @@ def fill_and_commit(store: TieredStore, ns, tokens: list[int], start: int = 0):
 
 def expected_page(key: bytes) -> torch.Tensor:
     return page_content(int.from_bytes(key[:4], "little"))
+
+
+def record_chain(n: int, spec: KVSpec, seed: int = 0, model: str = "m") -> list[tuple[RecordHeader, torch.Tensor]]:
+    """n cold records of one prompt's page chain (random tokens and page bytes from `seed`), parent first."""
+    ns = Namespace.for_spec(model, spec)
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 32000, n * spec.page_size).tolist()
+    items, parent = [], ns.digest
+    for i, key in enumerate(page_keys(ns, tokens, spec.page_size)):
+        toks = tokens_bytes(tokens[i * spec.page_size:(i + 1) * spec.page_size])
+        items.append((RecordHeader(key, parent, ns.digest, toks, spec.fingerprint, spec.page_bytes),
+                      torch.from_numpy(rng.integers(0, 256, spec.page_bytes, dtype=np.uint8))))
+        parent = key
+    return items

@@ -10,32 +10,16 @@ import sys
 from pathlib import Path
 
 import lmdb
-import numpy as np
 import pytest
-import torch
 
 from kvstore import fsck
-from kvstore.keys import Namespace, page_keys, tokens_bytes
-from kvstore.record import RecordHeader
 from kvstore.spec import KVSpec
 from kvstore.tiers.disk import PAGES_DB, QUARANTINE_DB, DiskTier
+from storeutil import record_chain
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = KVSpec(2, 2, 16, "float32", 16)  # 8 KiB pages
 MiB = 1 << 20
-
-
-def chain(n: int, seed: int = 0, spec: KVSpec = SPEC, model: str = "m") -> list[tuple[RecordHeader, torch.Tensor]]:
-    ns = Namespace.for_spec(model, spec)
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 32000, n * spec.page_size).tolist()
-    items, parent = [], ns.digest
-    for i, key in enumerate(page_keys(ns, tokens, spec.page_size)):
-        toks = tokens_bytes(tokens[i * spec.page_size:(i + 1) * spec.page_size])
-        items.append((RecordHeader(key, parent, ns.digest, toks, spec.fingerprint, spec.page_bytes),
-                      torch.from_numpy(rng.integers(0, 256, spec.page_bytes, dtype=np.uint8))))
-        parent = key
-    return items
 
 
 def write(path, items, spec: KVSpec = SPEC) -> None:
@@ -62,7 +46,7 @@ def run(path=None, data_dir=None, repair=False, as_json=False, fingerprint=None)
 
 @pytest.fixture
 def store(tmp_path):
-    items = chain(12)
+    items = record_chain(12, SPEC)
     path = tmp_path / "data" / "cold"
     write(path, items)
     return path, items
@@ -120,9 +104,9 @@ def test_record_under_another_key_is_damage(store):
 
 def test_orphans_and_foreign_are_counted_not_damage(tmp_path, capsys):
     path = tmp_path / "cold"
-    write(path, chain(6)[2:])                                 # pages 2..5: page 2's parent is missing
+    write(path, record_chain(6, SPEC)[2:])                          # pages 2..5: page 2's parent is missing
     other = KVSpec(2, 2, 8, "float32", 16)
-    write(path, chain(3, seed=9, spec=other, model="other"), spec=other)
+    write(path, record_chain(3, other, seed=9, model="other"), spec=other)
     report = fsck.check(path, SPEC.fingerprint)
     assert (report.total, report.ok, report.foreign, report.orphans, report.damaged) == (7, 4, 3, 1, [])
     assert fsck.check(path).foreign == 0                      # without a fingerprint nothing is foreign

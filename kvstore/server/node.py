@@ -28,7 +28,7 @@ SHUTDOWN_GRACE_S = 5.0
 async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> None:
     """Serve until SIGINT/SIGTERM; on_ready(api_url, admin_url) once warmed up."""
     from engine import LLM, AsyncLLM
-    from engine.api import create_app, warm_up
+    from engine.api import api_runner, create_app, warm_up
     from kvstore.cluster.node import CLUSTER, ClusterNode
 
     llm = LLM(config.model, config=config)
@@ -56,14 +56,14 @@ async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> Non
             await node.start()
         await engine.start()
         api = create_app(engine)
-        api_runner = web.AppRunner(api)
-        await api_runner.setup()
-        runners.append(api_runner)
-        await web.TCPSite(api_runner, config.server.host, config.server.port,
+        runner = api_runner(api)
+        await runner.setup()
+        runners.append(runner)
+        await web.TCPSite(runner, config.server.host, config.server.port,
                           shutdown_timeout=SHUTDOWN_GRACE_S).start()
         await warm_up(engine, api)
         engine.ready = True
-        host, port = api_runner.addresses[0][:2]
+        host, port = runner.addresses[0][:2]
         on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}", admin_url(runners[0]))
         await stop.wait()
     finally:

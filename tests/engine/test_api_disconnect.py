@@ -1,5 +1,6 @@
 """A request whose client disconnects is aborted and its pages released, streamed or not, on a
-server run as `kvstore serve` runs it (aiohttp's AppRunner and TCPSite: no handler cancellation)."""
+server run as `kvstore serve` runs it (engine.api.api_runner and a TCPSite; aiohttp's default AppRunner
+does not cancel a handler whose client left, aiohttp's test server does)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from engine import AsyncLLM
-from engine.api import create_app
+from engine.api import api_runner, create_app
 from test_api import make_llm
 
 MAX_TOKENS = 3900           # minutes of generation on the tiny preset if nobody stops it
@@ -32,7 +33,7 @@ async def served(tmp_path):
     finished = []
     engine = AsyncLLM(llm, on_finish=finished.append)
     await engine.start()
-    runner = web.AppRunner(create_app(engine))
+    runner = api_runner(create_app(engine))
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:

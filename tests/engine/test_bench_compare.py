@@ -144,7 +144,8 @@ def test_bad_option_exits_2(tmp_path, flag, value):
     assert r.stderr.count("\n") == 1 and flag in r.stderr and value in r.stderr
 
 
-# the worker, when scripts/bootstrap_vllm has built vLLM's venv (about 30 s: vLLM's start-up, eager mode)
+# the worker in vLLM's venv, which ./scripts/test builds before the suite unless KVSTORE_TEST_VLLM=0
+# (about 30 s: vLLM's start-up, eager mode)
 @pytest.mark.slow
 def test_vllm_worker(tmp_path):
     from engine.bench_compare import VLLMWorker, WorkerError, default_vllm_venv

@@ -9,17 +9,16 @@ import os
 import struct
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from kvstore import fsck
 from kvstore.errors import DamagedStore
-from kvstore.keys import Namespace, page_keys, tokens_bytes
-from kvstore.record import RecordHeader
+from kvstore.keys import Namespace
 from kvstore.spec import KVSpec
 from kvstore.tiers.disk import PAGES_DB, DiskTier
 from kvstore.tiers.lmdb_file import LmdbFile
+from storeutil import record_chain
 
 SPEC = KVSpec(2, 2, 16, "float32", 16)  # 8 KiB pages
 NS = Namespace.for_spec("damage-test", SPEC)
@@ -28,19 +27,7 @@ N = 300                                  # enough records for a B-tree with a br
 DAMAGE = ("truncated", "empty", "btree")
 
 
-def chain(n: int) -> list[tuple[RecordHeader, torch.Tensor]]:
-    rng = np.random.default_rng(7)
-    tokens = rng.integers(0, 32000, n * SPEC.page_size).tolist()
-    items, parent = [], NS.digest
-    for i, key in enumerate(page_keys(NS, tokens, SPEC.page_size)):
-        toks = tokens_bytes(tokens[i * SPEC.page_size:(i + 1) * SPEC.page_size])
-        items.append((RecordHeader(key, parent, NS.digest, toks, SPEC.fingerprint, SPEC.page_bytes),
-                      torch.from_numpy(rng.integers(0, 256, SPEC.page_bytes, dtype=np.uint8))))
-        parent = key
-    return items
-
-
-ITEMS = chain(N)
+ITEMS = record_chain(N, SPEC, seed=7, model="damage-test")
 
 
 def open_tier(path) -> DiskTier:
