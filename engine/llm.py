@@ -77,7 +77,7 @@ class LLM:
     # requests
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, tenant: str = "",
                      request_id: str | None = None, priority: int = 0) -> Request:
-        params = (params or SamplingParams()).validate()
+        params = (params or SamplingParams()).validate(vocab_size=self.loaded.shape.vocab_size)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequest("prompt is empty")

@@ -59,7 +59,7 @@ class ModelRunner:
         now = time.monotonic()
         self.compute_seconds += now - t0
         for req, row in zip(sampled, logits):
-            token = sample(row, req.params, req.generator)
+            token = sample(row, req.params, req.generator, req.tokens, len(req.prompt))
             if req.logprobs is not None:
                 req.logprobs.append(token_logprobs(row, token, req.params.logprobs))
             req.tokens.append(token)

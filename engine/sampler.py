@@ -1,7 +1,10 @@
-"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, seeds, logprobs."""
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, min-p, penalties, logit bias, seeds,
+logprobs, with the meanings and the order of vLLM's V1 sampler."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +12,7 @@ import torch
 from kvstore.errors import KVStoreError
 
 GREEDY_BELOW = 1e-5     # a temperature below this samples greedily (as vLLM): logits / 1e-127 overflow
+MAX_LOGIT_BIAS = 100.0  # biases are clamped into [-100, 100] (as vLLM and OpenAI)
 
 
 class InvalidRequest(KVStoreError):
@@ -26,8 +30,17 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)   # stop strings, matched on the decoded text
     logprobs: int | None = None     # None: none; 0: the chosen token's; k: also the top k
     ignore_eos: bool = False
+    presence_penalty: float = 0.0   # subtracted from the logit of each token generated so far (OpenAI's)
+    frequency_penalty: float = 0.0  # times a token's count in the output so far, subtracted from its logit
+    repetition_penalty: float = 1.0  # tokens of the prompt or output: logit / this if > 0, else logit * this
+    min_p: float = 0.0              # after temperature, drop tokens whose probability < min_p * the top one's
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit, first
 
-    def validate(self) -> "SamplingParams":
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Refuse a bad value with InvalidRequest naming the field; returns self, normalised.
+
+        logit_bias keys may be decimal strings (JSON object keys) and become ints; its values are clamped
+        into [-100, 100]; None means no bias. With vocab_size, a logit_bias token id must be below it."""
         checks = [
             (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
             (_is_number(self.temperature) and 0 <= self.temperature <= 100, "temperature", "a number in [0, 100]"),
@@ -41,11 +54,41 @@ class SamplingParams:
              "a list of non-empty strings"),
             (self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
              "an integer in [0, 20]"),
+            (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+             "a number in [-2, 2]"),
+            (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             "a number in [-2, 2]"),
+            (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf, "repetition_penalty",
+             "a finite number > 0"),
+            (_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]"),
         ]
         for ok, name, allowed in checks:
             if not ok:
                 raise InvalidRequest(f"{name} = {getattr(self, name)!r}: must be {allowed}")
+        self.logit_bias = _checked_logit_bias(self.logit_bias, vocab_size)
         return self
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
+
+def _checked_logit_bias(bias, vocab_size: int | None) -> dict[int, float]:
+    """bias with int keys and clamped values; InvalidRequest on the first bad entry."""
+    if bias is None:
+        return {}
+    ids = "integers >= 0" if vocab_size is None else f"integers in [0, {vocab_size})"
+    allowed = f"must map token ids ({ids}, or their decimal strings) to numbers"
+    if not isinstance(bias, dict):
+        raise InvalidRequest(f"logit_bias = {bias!r}: {allowed}")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        known = _is_int(token) and token >= 0 and (vocab_size is None or token < vocab_size)
+        if not (known and _is_number(value) and value == value):   # NaN is the one number unequal to itself
+            raise InvalidRequest(f"logit_bias = {{{key!r}: {value!r}}}: {allowed}")
+        out[token] = float(min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value)))   # clamp first: 10**400 overflows float()
+    return out
 
 
 def _is_int(v) -> bool:
@@ -56,11 +99,24 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from one row of logits [vocab] (fp32)."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           tokens: Sequence[int] = (), num_prompt: int = 0) -> int:
+    """One token id from one row of logits [vocab] (fp32), which is left unchanged.
+
+    tokens: the request's tokens so far, its num_prompt prompt tokens first. Order (vLLM V1's Sampler):
+    logit_bias, penalties (repetition, frequency, presence), greedy argmax below GREEDY_BELOW, else
+    temperature, min_p, top_k, top_p, the draw. Ids at or past the row's width (ids the tokenizer
+    cannot produce) are never sampled, so their bias and counts are ignored."""
+    if params.logit_bias:
+        logits = _add_bias(logits, params.logit_bias)
+    if params.has_penalties:
+        logits = _penalize(logits, params, torch.tensor(tokens, dtype=torch.long), num_prompt)
     if params.temperature < GREEDY_BELOW:
         return int(logits.argmax())
     logits = logits / params.temperature
+    if params.min_p:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -70,6 +126,26 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         keep = sorted_p.cumsum(-1) - sorted_p < params.top_p   # always keeps the first
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def _add_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    values = torch.tensor(list(bias.values()), dtype=logits.dtype)
+    inside = ids < logits.numel()
+    return logits.index_add(0, ids[inside].to(logits.device), values[inside].to(logits.device))
+
+
+def _penalize(logits: torch.Tensor, params: SamplingParams, tokens: torch.Tensor, num_prompt: int) -> torch.Tensor:
+    """Repetition over prompt and output tokens, then frequency and presence over the output only."""
+    vocab = logits.numel()
+    if params.repetition_penalty != 1:
+        seen = (torch.bincount(tokens, minlength=vocab)[:vocab] > 0).to(logits.device)
+        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if params.frequency_penalty or params.presence_penalty:
+        counts = torch.bincount(tokens[num_prompt:], minlength=vocab)[:vocab].to(logits.device)   # [vocab]
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+    return logits
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> dict:
