@@ -416,20 +416,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvstore.bench tiers ...`: the `kvstore bench` command on its own."""
-    parser = argparse.ArgumentParser(prog="python -m kvstore", add_help=False)
-    add_parser(parser.add_subparsers(dest="command", required=True))
+    """`python -m kvstore.bench ...`: the `kvstore bench` command on its own."""
+    from kvstore.cli import main as kvstore_main
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] != ["bench"]:
-        argv = ["bench", *argv]
-    try:
-        args = parser.parse_args(argv)
-        return int(args.func(args) or 0)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 2
-    except KVStoreError as exc:
-        print(f"kvstore: error: {exc}", file=sys.stderr)
-        return 2
+    return kvstore_main(argv if argv[:1] == ["bench"] else ["bench", *argv])
 
 
 if __name__ == "__main__":

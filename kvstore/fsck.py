@@ -396,13 +396,11 @@ def _human(r: FsckReport) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvstore")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] != "fsck":
-        argv = ["fsck", *argv]
-    args = parser.parse_args(argv)
-    return args.func(args)
+    """`python -m kvstore.fsck ...`: the `kvstore fsck` command on its own."""
+    from kvstore.cli import main as kvstore_main
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return kvstore_main(argv if argv[:1] == ["fsck"] else ["fsck", *argv])
 
 
 if __name__ == "__main__":

@@ -302,10 +302,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """`kvstore inspect ARGS` on its own (the `kvstore` command registers add_parser)."""
-    parser = argparse.ArgumentParser(prog="kvstore")
+    from kvstore.cli import CommandParser, parse_command_line
+
+    parser = CommandParser(prog="kvstore")
     add_parser(parser.add_subparsers(dest="command", required=True))
     try:
-        args = parser.parse_args(["inspect", *(sys.argv[1:] if argv is None else argv)])
+        args = parse_command_line(parser, ["inspect", *(sys.argv[1:] if argv is None else argv)])
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
     try:
