@@ -16,7 +16,6 @@ from kvstore.cli import add_config_options, config_from_args
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.job.io import AnswerLog, read_input, read_stats
 from kvstore.job.progress import MODES, Progress
-from kvstore.job.runner import EngineRunner, HttpRunner, Settings
 
 DESCRIPTION = """\
 Answer many questions over long documents, each document's prefix computed once.
@@ -31,15 +30,20 @@ the rest tokenized apart, so that every question of a document shares the docume
 Per document, the first question runs alone and computes the document's prefix; its pages are
 pinned while the other questions run batched together; the next document's prefix is
 prefetched from cold meanwhile. With --url the job runs against `kvstore serve` instead
-(OpenAI completions API, --concurrency requests at a time).
+(OpenAI completions API, --concurrency requests at a time; a line's tenant is sent as the
+X-Tenant header, which that server honours only with server.trust_tenant_header=true).
 
 Output: ANSWERS.jsonl (id, question_index, question, answer, token_ids, finish_reason) and
 ANSWERS.stats.jsonl (TTFT, prompt tokens, tokens served from each tier, generated tokens,
-seconds), both appended once per finished document. Run the same command again after an
-interruption (Ctrl-C, SIGTERM, a crash): finished questions are skipped, and the final
-ANSWERS.jsonl is the same as an uninterrupted run's (answers are greedy by default; with a
-temperature they are seeded per question). The stats differ from run to run: they are kept
-apart so that the answers do not.
+seconds), both appended once per finished document, and ANSWERS.occupancy.jsonl (the pages
+in each tier, sampled every --sample-interval seconds by the in-process engine). Run the same
+command again after an interruption (Ctrl-C, SIGTERM, a crash): finished questions are
+skipped, and the final ANSWERS.jsonl is the same as an uninterrupted run's (answers are greedy
+by default; with a temperature they are seeded per question). The stats differ from run to
+run: they are kept apart so that the answers do not.
+
+Progress: on a terminal, a bar that says what the job does (loading the model, tokenizing,
+prefilling or answering document k/N), redrawn every half second; elsewhere, a line per document.
 
 Exit status: 0 done; 1 done, but bad lines were skipped or questions failed (they are listed
 on stderr and in the report); 2 bad options, or --fail-fast stopped at a problem;
@@ -72,6 +76,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="with --url: requests in flight at a time (default 4)")
     target.add_argument("--no-prefetch", action="store_true",
                         help="do not prefetch the next document's prefix from cold while one runs")
+    target.add_argument("--sample-interval", type=float, default=0.5, metavar="SECONDS",
+                        help="in-process engine: seconds between two samples of the tier occupancy (default 0.5)")
     sampling = r.add_argument_group("sampling (an input line's own fields win)")
     sampling.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens per answer (default 64)")
     sampling.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)")
@@ -80,7 +86,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--fail-fast", action="store_true",
                    help="stop at the first bad input line or failed question (exit 2) instead of skipping it")
     r.add_argument("--progress", choices=MODES, default="auto",
-                   help="auto (default): a bar on a terminal, a line per document elsewhere")
+                   help="auto (default): a bar on a terminal, a line per document elsewhere; "
+                        "bar, lines: either one anyway; none: only problems")
     add_config_options(r)
     r.set_defaults(func=run)
 
@@ -104,6 +111,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError("--temperature", args.temperature, "must be a number in [0, 100]")
     if args.concurrency < 1:
         raise ConfigError("--concurrency", args.concurrency, "must be an integer >= 1")
+    if not 0.01 <= args.sample_interval <= 3600:
+        raise ConfigError("--sample-interval", args.sample_interval, "must be a number of seconds in [0.01, 3600]")
     if args.url and not args.url.startswith(("http://", "https://")):
         raise ConfigError("--url", args.url, "must be an http:// or https:// URL")
 
@@ -142,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     for bad in job.bad:
         _say(f"{args.input}:{bad.line}: bad line, skipped: {bad.message}")
         if args.fail_fast:
-            _say(f"stopped at the first bad line (--fail-fast); nothing was run")
+            _say("stopped at the first bad line (--fail-fast); nothing was run")
             return 2
     log = AnswerLog(args.out, args.stats).open()
     if log.dropped_partial:
@@ -156,11 +165,17 @@ def run(args: argparse.Namespace) -> int:
     elif len(todo) < len(order):
         _say(f"resuming: {len(order) - len(todo)} of {len(order)} answers are in {args.out}; "
              f"{len(todo)} to go")
-    progress = Progress(len(todo), todo_docs, args.progress)
-    settings = Settings(args.max_tokens, args.temperature, args.seed)
     problems = {"failed": False}
+    runner, flushed = None, [0]      # flushed: how many of the runner's occupancy samples are written
+
+    def write_samples() -> None:
+        samples = runner.outcome.samples
+        n = len(samples)
+        log.write_samples(samples[flushed[0]:n])
+        flushed[0] = n
 
     def on_document(doc, results) -> None:
+        write_samples()      # first: a run that wrote answers has its samples, even if killed next
         log.write([r.answer for r in results], [r.stats for r in results])
         if args.fail_fast and runner.outcome.failed:
             problems["failed"] = True
@@ -168,24 +183,40 @@ def run(args: argparse.Namespace) -> int:
 
     signals, llm = _Signals(), None
     outcome = None
+    progress = Progress(len(todo), todo_docs, args.progress if todo else "none")
     try:
-        if todo and args.url:
-            from engine.tokenizer import load_tokenizer
-            tokenizer = load_tokenizer(args.model or _served_model(args.url))
-            runner = HttpRunner(args.url, tokenizer, settings, on_document, progress, session,
-                                concurrency=args.concurrency, page_size=config.page_size)
-        elif todo:
-            from engine import LLM
-            llm = LLM(config.model, config=config)
-            runner = EngineRunner(llm, settings, on_document, progress, session, prefetch=not args.no_prefetch)
         if todo:
+            # the engine (and torch) load with the progress already on screen
+            progress.phase("loading the engine")
+            try:
+                from kvstore.job.runner import EngineRunner, HttpRunner, Settings
+            except ImportError as exc:
+                raise KVStoreError(f"the job needs the engine, which cannot be imported ({exc})") from None
+            settings = Settings(args.max_tokens, args.temperature, args.seed)
+            if args.url:
+                from engine.tokenizer import load_tokenizer
+                progress.phase("loading the tokenizer", announce=True)
+                tokenizer = load_tokenizer(args.model or _served_model(args.url))
+                runner = HttpRunner(args.url, tokenizer, settings, on_document, progress, session,
+                                    concurrency=args.concurrency, page_size=config.page_size)
+            else:
+                from engine import LLM
+                progress.phase(f"loading the model ({config.model})", announce=True)
+                llm = LLM(config.model, config=config)
+                runner = EngineRunner(llm, settings, on_document, progress, session, prefetch=not args.no_prefetch,
+                                      sample_s=args.sample_interval)
             signals.install(runner.stop)
             outcome = runner.run(job.documents, log.done)
-            progress.close()
     finally:
         signals.restore()
-        if llm is not None:
-            llm.close()      # hot and warm pages go to cold: a resumed or later job finds them
+        try:
+            if runner is not None:
+                write_samples()
+            if llm is not None:
+                progress.phase("closing the store")
+                llm.close()      # hot and warm pages go to cold: a resumed or later job finds them
+        finally:
+            progress.close("done" if outcome is not None and not outcome.interrupted else "stopped")
 
     failed = [f"line {d.line}, document {d.id!r}, {why}" for d, why in (outcome.failed if outcome else [])]
     if signals.signum is not None:
@@ -199,11 +230,10 @@ def run(args: argparse.Namespace) -> int:
         keys = set(order)
         records = [r for r in read_stats(log.stats_path) if (str(r["id"]), int(r["question_index"])) in keys]
         status = "complete" if all(log.done(k) for k in order) else "incomplete"
-        path = write_report(ReportInput(records, outcome.samples if outcome else [],
-                                        [str(b) for b in job.bad], failed,
+        path = write_report(ReportInput(records, read_stats(log.occupancy_path), [str(b) for b in job.bad], failed,
                                         {"input": args.input, "output": args.out, "stats": str(log.stats_path),
                                          "target": args.url or f"in-process engine, model {config.model}",
-                                         "status": status}), args.report)
+                                         "status": status}, order), args.report)
         _say(f"report: {path}")
     if problems["failed"]:
         _say("stopped at the first failed question (--fail-fast)")
@@ -218,19 +248,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`kvstore job` as a program of its own: `python -m kvstore.job.cli run ...`."""
-    parser = argparse.ArgumentParser(prog="kvstore job", description="Long-document QA jobs.")
-    configure(parser)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 2
-    try:
-        return int(args.func(args) or 0)
-    except KVStoreError as exc:
-        print(f"kvstore: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    from kvstore.cli import main as kvstore_main
+
+    return kvstore_main(["job", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

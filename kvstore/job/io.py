@@ -10,13 +10,17 @@ Input: one JSON object a line (blank lines are ignored):
 relative to the input file's directory (or absolute); "@@" starts a text with a literal "@".
 A line that is not such an object is a BadLine, reported with its line number.
 
-Output: two JSONL files, one line per (document id, question index) in each.
+Output: two JSONL files, one line per (document id, question index) in each, and a third of
+samples.
 
 - ANSWERS.jsonl: {"id", "question_index", "question", "answer", "token_ids", "finish_reason"}:
   only what the model computed, so an interrupted and resumed job ends with the same bytes as
   an uninterrupted one.
 - ANSWERS.stats.jsonl: the measurements (TTFT, tokens served from each tier, time...), which
   differ from run to run; the report is built from it.
+- ANSWERS.occupancy.jsonl: the pages in each tier, sampled on a timer by the in-process runner,
+  one line a sample ({"session", "seconds", "questions", "hot", "warm", "cold"}); "seconds" count
+  from the start of its session (run), so that the report can put every run on one clock.
 
 Both are appended and fsync'ed once per finished document (answers first). On start the
 answers file is read back: a partly written last line is cut off, and the items it holds are
@@ -177,12 +181,22 @@ def stats_path_for(out: str | Path) -> Path:
     return out.with_name(stem + ".stats.jsonl")
 
 
+def occupancy_path_for(stats: str | Path) -> Path:
+    """ANSWERS.stats.jsonl -> ANSWERS.occupancy.jsonl (next to it)."""
+    stats = Path(stats)
+    stem = stats.name
+    for ending in (".jsonl", ".stats"):
+        stem = stem[:-len(ending)] if stem.endswith(ending) else stem
+    return stats.with_name(stem + ".occupancy.jsonl")
+
+
 class AnswerLog:
     """The output files of a job: what is finished, and appending what finishes next."""
 
     def __init__(self, out: str | Path, stats: str | Path | None = None):
         self.path = Path(out)
         self.stats_path = Path(stats) if stats else stats_path_for(self.path)
+        self.occupancy_path = occupancy_path_for(self.stats_path)
         self.answers: dict[Key, dict] = {}     # finished items, as read or written
         self.order: list[Key] = []             # their order in the file
         self.dropped_partial = 0               # bytes of a partly written last line cut off on open
@@ -192,6 +206,7 @@ class AnswerLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.dropped_partial = _cut_partial_line(self.path)
         _cut_partial_line(self.stats_path)
+        _cut_partial_line(self.occupancy_path)
         if self.path.exists():
             with open(self.path, encoding="utf-8") as f:
                 for number, line in enumerate(f, start=1):
@@ -210,8 +225,9 @@ class AnswerLog:
         return key in self.answers
 
     def sessions(self) -> int:
-        """How many runs wrote stats already (this run is sessions() + 1)."""
-        return max((r.get("session", 0) for r in read_stats(self.stats_path)), default=0)
+        """How many runs wrote stats or samples already (this run is sessions() + 1)."""
+        return max((r.get("session", 0) for path in (self.stats_path, self.occupancy_path) for r in read_stats(path)),
+                   default=0)
 
     def write(self, answers: list[dict], stats: list[dict]) -> None:
         """Append one document's finished items to both files, durably (answers first)."""
@@ -224,6 +240,11 @@ class AnswerLog:
             self.answers[key] = a
         if stats:
             _append(self.stats_path, "".join(_dumps(s) + "\n" for s in stats))
+
+    def write_samples(self, samples: list[dict]) -> None:
+        """Append tier occupancy samples."""
+        if samples:
+            _append(self.occupancy_path, "".join(_dumps(s) + "\n" for s in samples))
 
     def finalize(self, order: list[Key]) -> bool:
         """Put the answers in `order` (input order) when every item of it is done; answers of items
@@ -244,7 +265,7 @@ class AnswerLog:
 
 
 def read_stats(path: str | Path) -> list[dict]:
-    """The stats records of a job (complete lines only)."""
+    """The stats records (or occupancy samples) of a job: complete lines only."""
     path = Path(path)
     if not path.exists():
         return []

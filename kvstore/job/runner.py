@@ -13,6 +13,9 @@ Per document, in input order:
 3. the pins are released and the document's results are handed to `on_document`.
 While a document runs, a worker thread tokenizes the next one and prefetches its prefix from
 cold into warm (store.promote, a few pages per call, never holding the store's lock long).
+The progress hears which step a document is at (tokenizing, prefilling, answering); the
+in-process runner also samples the store's tier occupancy on a timer (every SAMPLE_S seconds
+unless told otherwise).
 
 Per question the stats record how much of the document prefix (its full pages) it computed;
 summed over a document's questions and divided by the prefix length, that is how many times
@@ -43,6 +46,7 @@ PROMPT_SUFFIX = "\n\nQuestion: {question}\nAnswer:"
 PREFETCH_BATCH_PAGES = 16
 PIN_TTL_S = 7 * 24 * 3600   # pins live in this process's store; they are released when a document ends
 TIERS = ("hot", "warm", "cold")     # the store's own tiers, sampled for the occupancy plot
+SAMPLE_S = 0.5                      # how often the in-process runner samples them
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,8 @@ class Outcome:
     answered: int = 0
     failed: list[tuple[Document, str]] = field(default_factory=list)   # (document, "question i: why")
     interrupted: bool = False
-    samples: list[dict] = field(default_factory=list)   # tier occupancy: {"questions", "seconds", hot, warm, cold}
+    samples: list[dict] = field(default_factory=list)   # tier occupancy: {"session", "seconds", "questions",
+                                                        # hot, warm, cold}, appended by a timer thread
 
 
 def prepare(doc: Document, tokenizer) -> Prepared:
@@ -131,6 +136,7 @@ class JobRunner:
         self.stop = threading.Event()
         self.outcome = Outcome()
         self.started = time.monotonic()
+        self._numbers: dict[str, int] = {}    # document id -> its number among the pending ones
 
     def pending(self, documents: Sequence[Document], done: Callable[[Key], bool]) -> list[tuple[Document, list[int]]]:
         todo = []
@@ -138,7 +144,13 @@ class JobRunner:
             qs = [q for q in range(len(doc.questions)) if not done((doc.id, q))]
             if qs:
                 todo.append((doc, qs))
+        self._numbers = {doc.id: k for k, (doc, _) in enumerate(todo, start=1)}
         return todo
+
+    def at(self, doing: str, doc: Document) -> None:
+        """Tell the progress which step a document is at: "prefilling document k/N (id)"."""
+        if self.progress:
+            self.progress.at_document(doing, self._numbers.get(doc.id, 0), doc.id)
 
     def answer(self, doc: Document, q: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
         return {"id": doc.id, "question_index": q, "question": doc.questions[q], "answer": text,
@@ -177,13 +189,15 @@ class EngineRunner(JobRunner):
     """Runs the job on an in-process engine (engine.LLM), stepping it on the calling thread."""
 
     def __init__(self, llm, settings: Settings, on_document, progress=None, session: int = 1,
-                 prefetch: bool = True, sample_every: int = 4):
+                 prefetch: bool = True, sample_s: float = SAMPLE_S):
         super().__init__(settings, on_document, progress, session, llm.store.spec.page_size)
         self.llm, self.store = llm, llm.store
         self.prefetch = prefetch
         if prefetch:   # a job plans its prefetches from the cold tier's index: let it finish first
+            if progress:
+                progress.phase("indexing the cold tier")
             self.store.wait_indexed()
-        self.sample_every = max(1, sample_every)
+        self.sample_s = sample_s
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-job-prefetch")
 
     def namespace(self, tenant: str):
@@ -220,9 +234,15 @@ class EngineRunner(JobRunner):
     def run(self, documents: Sequence[Document], done: Callable[[Key], bool]) -> Outcome:
         todo = self.pending(documents, done)
         self.sample()
+        stop_sampling = threading.Event()
+        sampler = threading.Thread(target=self._sampling, args=(stop_sampling,), name="kvstore-job-sampler",
+                                   daemon=True)
+        sampler.start()
         try:
             nxt: Future | None = self._worker.submit(self._prepare, todo[0][0], self.prefetch) if todo else None
             for i, (doc, qs) in enumerate(todo):
+                if not nxt.done():
+                    self.at("tokenizing", doc)
                 prep = nxt.result()
                 nxt = self._worker.submit(self._prepare, todo[i + 1][0], self.prefetch) if i + 1 < len(todo) else None
                 if self.stop.is_set():
@@ -233,14 +253,24 @@ class EngineRunner(JobRunner):
                 self.store.unpin(nxt.result().pinned)
         finally:
             self._worker.shutdown(wait=True)
+            stop_sampling.set()
+            sampler.join()
+        self.sample()
         self.outcome.interrupted = self.stop.is_set()
         return self.outcome
 
     def sample(self) -> None:
+        """Append the pages in each tier now to the outcome's samples."""
         tiers = self.store.stats()["tiers"]
-        self.outcome.samples.append({"questions": self.outcome.answered,
-                                     "seconds": _round(time.monotonic() - self.started),
-                                     **{t: tiers[t]["pages"] for t in TIERS}})
+        self.outcome.samples.append({"session": self.session, "seconds": _round(time.monotonic() - self.started),
+                                     "questions": self.outcome.answered, **{t: tiers[t]["pages"] for t in TIERS}})
+
+    def _sampling(self, stop: threading.Event) -> None:
+        """Sample at every multiple of sample_s from now (a late sample does not shift the next ones)."""
+        start, k = time.monotonic(), 1
+        while not stop.wait(max(0.0, start + k * self.sample_s - time.monotonic())):
+            self.sample()
+            k = max(k + 1, int((time.monotonic() - start) / self.sample_s) + 1)
 
     def run_document(self, prep: Prepared, qs: list[int]) -> None:
         doc, started = prep.doc, time.monotonic()
@@ -264,10 +294,12 @@ class EngineRunner(JobRunner):
 
         try:
             lead = queue.pop(0)
+            self.at("prefilling", doc)
             submit(lead)
             if lead in live:      # the prefix is computed once, by the lead alone
                 self._step(doc, prep, live, results, lead,
                            until=lambda: live[lead].first_token_at is not None or live[lead].status is Status.FINISHED)
+            self.at("answering", doc)
             m = self.store.match(prep.doc_ids, self.namespace(doc.tenant))
             if m.keys and self.pinnable(m.num_pages) and not self.stop.is_set():
                 self.store.pin(m.keys, PIN_TTL_S)
@@ -282,7 +314,6 @@ class EngineRunner(JobRunner):
         finally:
             if pinned:
                 self.store.unpin(pinned)
-        self.sample()
         self.finished_document(doc, [results[q] for q in qs if q in results], time.monotonic() - started)
 
     def _step(self, doc, prep, live, results, lead, until) -> None:
@@ -298,8 +329,6 @@ class EngineRunner(JobRunner):
                 results[q] = self._result(doc, q, req, q == lead, prep)
                 if results[q].answer is not None:
                     self.finished_question(results[q])
-                    if self.outcome.answered % self.sample_every == 0:
-                        self.sample()
             if until is None:
                 return
 
@@ -334,7 +363,8 @@ class HttpRunner(JobRunner):
     """Runs the job against a running `kvstore serve` through its OpenAI-compatible completions API:
     prompts as token ids, streamed (TTFT measured by the client), `concurrency` requests at a time.
     The server's own store caches, pins and prefetches; cached tokens come from the usage's
-    prompt_tokens_details (a total, not per tier)."""
+    prompt_tokens_details (a total, not per tier). Its tier occupancy is not sampled: the
+    completions API does not report it."""
 
     def __init__(self, url: str, tokenizer, settings: Settings, on_document, progress=None, session: int = 1,
                  concurrency: int = 4, model: str | None = None, page_size: int = 16, retries: int = 20):
@@ -367,6 +397,7 @@ class HttpRunner(JobRunner):
 
     async def _document(self, session, doc: Document, qs: list[int]) -> None:
         started = time.monotonic()
+        self.at("tokenizing", doc)
         prep = await asyncio.to_thread(prepare, doc, self.tokenizer)
         if prep.error:
             self.finished_document(doc, [Result((doc.id, q), error=prep.error) for q in qs], 0.0)
@@ -389,8 +420,10 @@ class HttpRunner(JobRunner):
         tasks = []
         try:
             first = asyncio.Event()
+            self.at("prefilling", doc)
             tasks.append(asyncio.create_task(ask(qs[0], True, first)))
             await first.wait()     # the lead's first token: the prefix is cached on the server
+            self.at("answering", doc)
             tasks += [asyncio.create_task(ask(q, False)) for q in qs[1:]]
             await asyncio.gather(*tasks)
         finally:   # also when cancelled (stop): hand over what finished

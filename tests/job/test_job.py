@@ -182,7 +182,8 @@ def _serve(tmp_path: Path) -> tuple[subprocess.Popen, str]:
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--model", "tiny", "--port", "0",
                              "--data-dir", str(tmp_path / "serve-data"), "--set", "hot.pool=4MiB",
-                             "--set", "warm.bytes=4MiB"], cwd=tmp_path, env=env, text=True,
+                             "--set", "warm.bytes=4MiB", "--set", "server.trust_tenant_header=true"],
+                            cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     line = proc.stdout.readline()
     if " ready on " not in line:
@@ -203,9 +204,11 @@ def test_url_target_gives_the_same_answers_as_in_process(tmp_path, capsys):
     proc, url = _serve(tmp_path)
     try:
         remote = tmp_path / "remote" / "ANSWERS.jsonl"
+        capsys.readouterr()
         rc = main(["run", str(inp), "--out", str(remote), "--max-tokens", "10", "--url", url,
-                   "--concurrency", "3", "--report", str(tmp_path / "report"), *FAST])
-        assert rc == 0, capsys.readouterr().err
+                   "--concurrency", "3", "--report", str(tmp_path / "report"), *FAST, "--progress", "bar"])
+        err = capsys.readouterr().err
+        assert rc == 0, err
     finally:
         proc.terminate()
         proc.wait(30)
@@ -218,4 +221,19 @@ def test_url_target_gives_the_same_answers_as_in_process(tmp_path, capsys):
             assert s["cached_total"] == 0 and s["tier"] == "none"
         else:
             assert s["cached_total"] >= s["document_prefix_tokens"] and s["tier"] == "cached"
-    assert "cached (tier not reported)" in (tmp_path / "report" / "report.md").read_text()
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "cached (tier not reported)" in report
+    assert "Tier occupancy is only sampled with the in-process engine" in report
+    # the bar says what the job does against the server too
+    for step in ("loading the tokenizer", "tokenizing document 1/4 (d0)", "prefilling document 1/4 (d0)",
+                 "answering document 1/4 (d0)", "prefilling document 4/4 (d3)", "done"):
+        assert f"\r{step}: " in err, step
+    assert "16/16 questions" in err
+
+
+def test_a_bad_sample_interval_is_refused_before_anything_runs(tmp_path, capsys):
+    inp = write_input(tmp_path / "in.jsonl", [{"id": "a", "document": document(1, 20), "questions": questions(1, 1)}])
+    out = tmp_path / "ANSWERS.jsonl"
+    assert main(["run", str(inp), "--out", str(out), "--sample-interval", "0", *FAST]) == 2
+    assert "--sample-interval = 0.0: must be a number of seconds in [0.01, 3600]" in capsys.readouterr().err
+    assert not out.exists()

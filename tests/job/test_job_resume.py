@@ -108,6 +108,11 @@ def test_interrupted_job_resumes_to_the_same_answers_without_recomputing(tmp_pat
     assert max(counts.values()) == 1
     assert set(counts) <= set(keys)
     assert len({s["session"] for s in map(json.loads, stats.read_text().splitlines())}) >= 3
+    # the tier occupancy of every run that answered something, sampled from its start
+    samples = [json.loads(line) for line in out.with_name("ANSWERS.occupancy.jsonl").read_text().splitlines()]
+    for session in {s["session"] for s in map(json.loads, stats.read_text().splitlines())}:
+        rows = [s for s in samples if s["session"] == session]
+        assert rows and rows[0]["seconds"] < 0.5 and rows[0]["questions"] == 0, (session, rows)
 
     # run again: nothing left to do, nothing changes
     before = (out.read_bytes(), stats.read_bytes())
