@@ -13,7 +13,9 @@ Rules:
 - errors are JSON `{"error": "one line"}`: 400 bad input, 401, 404, 405, 409 (the store refused),
   413 (body over admin.max_body_bytes); a 500 is a bug, logged without the request's content;
 - logs never hold request bodies, prompt text or token ids: the access log has method, path and status.
-The request and response shapes are in openapi.py, served at /openapi.json.
+The request and response shapes are in openapi.py, served at /openapi.json; each request's path
+parameters, query and body are validated against its operation there before the handler runs
+(validate.py), so handlers read checked values.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from kvstore.server import openapi
 from kvstore.server import validate as check
 from kvstore.server.validate import AdminError
 from kvstore.server.views import get_page, list_pages, top_prefixes
-from kvstore.server.metrics import CONTENT_TYPE, TIERS, Metrics, engine_stats
+from kvstore.server.history import add_history
+from kvstore.server.metrics import CONTENT_TYPE, Metrics, engine_stats
 
 log = logging.getLogger("kvstore.admin")
 
@@ -62,6 +65,7 @@ class AdminState:
 
 
 STATE = web.AppKey("admin_state", AdminState)
+REQUESTS = web.AppKey("admin_requests", check.Requests)   # the validators, built once per app
 
 
 # handlers
@@ -102,23 +106,17 @@ async def stats(request: web.Request) -> web.Response:
 
 async def pages(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    q = check.query(request, ("tier", "namespace", "pinned", "limit", "cursor"))
-    tier = q.get("tier")
-    if tier is not None and tier not in TIERS:
-        check.fail(f"tier must be one of {', '.join(TIERS)}")
-    pinned = q.get("pinned")
-    if pinned is not None and pinned not in ("true", "false"):
-        check.fail("pinned must be true or false")
-    namespace = check.key(q["namespace"], "namespace") if "namespace" in q else None
-    cursor = check.key(q["cursor"], "cursor") if "cursor" in q else None
+    q = request[check.QUERY]
+    namespace = bytes.fromhex(q["namespace"]) if "namespace" in q else None
+    cursor = bytes.fromhex(q["cursor"]) if "cursor" in q else None
     return web.json_response(await state.daemon.run(
-        list_pages, state.store, tier, namespace, None if pinned is None else pinned == "true",
-        check.limit(q, DEFAULT_PAGES_LIMIT), cursor))
+        list_pages, state.store, q.get("tier"), namespace, q.get("pinned"), q.get("limit", DEFAULT_PAGES_LIMIT),
+        cursor))
 
 
 async def page(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    key = check.key(request.match_info["key"])
+    key = bytes.fromhex(request.match_info["key"])
     found = await state.daemon.run(get_page, state.store, key)
     if found is None:
         check.fail("no page with this key", 404)
@@ -127,8 +125,8 @@ async def page(request: web.Request) -> web.Response:
 
 async def prefixes(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    q = check.query(request, ("limit",))
-    return web.json_response(await state.daemon.run(top_prefixes, state.store, check.limit(q, DEFAULT_PREFIXES_LIMIT)))
+    limit = request[check.QUERY].get("limit", DEFAULT_PREFIXES_LIMIT)
+    return web.json_response(await state.daemon.run(top_prefixes, state.store, limit))
 
 
 def _namespace(state: AdminState, tenant: str):
@@ -142,19 +140,15 @@ def _tokenizer(engine: Any):
 
 async def lookup(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await check.body(request, ("tokens", "text", "tenant"))
-    if ("tokens" in body) == ("text" in body):
-        check.fail("give exactly one of tokens (token ids) and text")
-    tenant = check.tenant(body)
+    body = request[check.BODY]
     if "tokens" in body:
-        tokens = check.tokens(body["tokens"])
+        tokens = [int(t) for t in body["tokens"]]   # JSON Schema's integers include 2.0
     else:
-        text = check.text(body["text"], "text")
         tokenizer = _tokenizer(state.engine)
         if tokenizer is None:
             check.fail("text lookup needs a model: this server runs no engine; send tokens")
-        tokens = list(await state.daemon.run(tokenizer.encode, text))
-    ns = _namespace(state, tenant)
+        tokens = list(await state.daemon.run(tokenizer.encode, body["text"]))
+    ns = _namespace(state, body.get("tenant", ""))
     match = await state.daemon.run(state.store.match, tokens, ns)
     cluster = request.app.get(CLUSTER)
     return web.json_response({"prompt_tokens": len(tokens), "cached_prefix_tokens": match.num_tokens,
@@ -165,11 +159,10 @@ async def lookup(request: web.Request) -> web.Response:
 
 async def _target_keys(state: AdminState, body: dict) -> list[bytes]:
     """The pages a pin/unpin/evict request names: its keys, or the cached prefix of its tokens."""
-    keys, tokens = check.keys_or_tokens(body)
-    tenant = check.tenant(body)
-    if keys is not None:
-        return keys
-    match = await state.daemon.run(state.store.match, tokens, _namespace(state, tenant))
+    if "keys" in body:
+        return [bytes.fromhex(k) for k in body["keys"]]
+    tokens = [int(t) for t in body["tokens"]]
+    match = await state.daemon.run(state.store.match, tokens, _namespace(state, body.get("tenant", "")))
     return match.keys
 
 
@@ -179,19 +172,15 @@ def _requested(body: dict, page_size: int) -> int:
 
 async def pin(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await check.body(request, ("keys", "tokens", "tenant", "ttl_s"))
-    ttl = body.get("ttl_s")
-    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
-                            or not 0 < ttl <= openapi.MAX_TTL_S):   # NaN and infinity fail the range too
-        check.fail(f"ttl_s must be a number of seconds in (0, {openapi.MAX_TTL_S}]")
+    body = request[check.BODY]
     keys = await _target_keys(state, body)
-    pinned = await state.daemon.run(state.store.pin, keys, ttl)
+    pinned = await state.daemon.run(state.store.pin, keys, body.get("ttl_s"))
     return web.json_response({"requested": _requested(body, state.store.spec.page_size), "pinned": pinned})
 
 
 async def unpin(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await check.body(request, ("keys", "tokens", "tenant"))
+    body = request[check.BODY]
     keys = await _target_keys(state, body)
     unpinned = await state.daemon.run(state.store.unpin, keys)
     return web.json_response({"requested": _requested(body, state.store.spec.page_size), "unpinned": unpinned})
@@ -199,9 +188,7 @@ async def unpin(request: web.Request) -> web.Response:
 
 async def evict(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await check.body(request, ("keys", "tokens", "tenant", "to"))
-    if "to" not in body or body["to"] not in ("warm", "cold", None):
-        check.fail("to must be warm (out of hot), cold (out of hot and warm) or null (out of the store)")
+    body = request[check.BODY]
     keys = await _target_keys(state, body)
     moved = await state.daemon.run(state.store.evict, keys, body["to"])
     return web.json_response({"requested": _requested(body, state.store.spec.page_size), "moved": moved,
@@ -210,9 +197,7 @@ async def evict(request: web.Request) -> web.Response:
 
 async def flush(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await check.body(request, ("tier",))
-    if body.get("tier") not in TIERS:
-        check.fail(f"tier must be one of {', '.join(TIERS)}")
+    body = request[check.BODY]
     moved = await state.daemon.run(state.store.flush, body["tier"])
     return web.json_response({"tier": body["tier"], "moved": moved})
 
@@ -253,13 +238,15 @@ def _log_failure(request: web.Request, exc: BaseException) -> None:
 
 @web.middleware
 async def guard(request: web.Request, handler) -> web.StreamResponse:
-    """Auth first, then every failure as a JSON error."""
+    """Auth first, then the request's inputs against its operation in the OpenAPI document, then
+    every failure as a JSON error."""
     state = request.app[STATE]
     token = state.config.admin.token
     if token and request.path not in OPEN_PATHS and not authorized(request, token):
         return check.error(401, "missing or wrong bearer token (Authorization: Bearer <admin.token>)",
                       {"WWW-Authenticate": 'Bearer realm="kvstore-admin"'})
     try:
+        await request.app[REQUESTS].check(request)
         return await handler(request)
     except AdminError as exc:
         return check.error(exc.status, exc.message)
@@ -293,6 +280,7 @@ def create_admin_app(store, daemon, config: Config, engine: Any = None,
     the stats, text lookups (its tokenizer) and its `ready` flag to /readyz."""
     app = web.Application(client_max_size=config.admin.max_body_bytes, middlewares=[guard])
     app[STATE] = AdminState(store, daemon, config, engine, metrics or Metrics(store, engine))
+    app[REQUESTS] = check.Requests(openapi.DOCUMENT)
     add = app.router
     add.add_get("/healthz", healthz)
     add.add_get("/readyz", readyz)
@@ -310,6 +298,7 @@ def create_admin_app(store, daemon, config: Config, engine: Any = None,
     add.add_get("/metrics", metrics_text)
     add.add_get("/openapi.json", openapi_json)
     add_cluster_routes(app, store, daemon)
+    add_history(app, app[STATE])   # GET /v1/history and its sampler, running while the app does
     return app
 
 

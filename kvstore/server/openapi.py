@@ -1,8 +1,9 @@
 """The admin API's OpenAPI 3.1 document, served at /openapi.json.
 
-The request schemas say exactly what admin.py accepts (admin.py checks the same rules by hand,
-with one-line messages); the tests validate every response against the response schemas and
-generate requests from the request schemas.
+The request schemas and parameters are the one statement of what admin.py accepts: validate.py
+validates every request against them (JSON Schema Draft 2020-12, the dialect of OpenAPI 3.1) and
+refuses fields and query parameters they do not name. The tests validate every response against
+the response schemas and generate requests from the request schemas.
 """
 
 from __future__ import annotations
@@ -244,10 +245,38 @@ PATHS = {
     "/openapi.json": _get("this document", _json({"type": "object"}), 401),
 }
 
+# /v1/history: the dashboard's time series (kvstore/server/history.py)
+_RATIO = {"type": ["number", "null"], "minimum": 0, "maximum": 1}
+_RATE = {"type": "number", "minimum": 0}
+_NUMBER = {"type": ["number", "null"], "minimum": 0}
+SCHEMAS["HistorySample"] = _obj({
+    "t": {"type": "number", "description": "unix time of the reading"},
+    "elapsed_s": {"type": "number", "minimum": 0, "description": "seconds since the previous reading"},
+    "occupancy": {**_obj({t: _NUMBER for t in TIERS}), "description": "used / capacity bytes (null: no tier)"},
+    "hit_rate": {**_obj({t: _RATIO for t in [*TIERS, "peer"]}),
+                 "description": "prompt tokens served from each tier / prompt tokens (null: no requests)"},
+    "requests_per_s": _RATE, "prompt_tokens_per_s": _RATE, "generation_tokens_per_s": _RATE,
+    "ttft_p50_s": _NUMBER, "ttft_p99_s": _NUMBER,
+    "bytes_moved_per_s": {**_obj({"up": _RATE, "down": _RATE}), "description": "copies towards hot, and away"},
+    "queue_depth": _int(), "running": _int()})
+SCHEMAS["History"] = _obj({
+    "interval_s": {"type": "number", "exclusiveMinimum": 0}, "size": {**_int(1), "description": "samples kept"},
+    "server": _obj({"model": {"type": ["string", "null"], "description": "null without an engine"},
+                    "instance": {"type": "string"}, "version": {"type": "string"},
+                    "uptime_s": {"type": "number", "minimum": 0},
+                    "default_namespace": {**_KEY, "description": "the namespace digest of requests without a "
+                                                                 "tenant"}}),
+    "watermarks": _obj({t: _obj({"low": {"type": "number"}, "high": {"type": "number"}}) for t in TIERS}),
+    "samples": {"type": "array", "items": _ref("HistorySample"), "description": "oldest first"}})
+PATHS["/v1/history"] = _get("the last minutes, one sample per interval_s: tier occupancy, token hit rate per "
+                            "tier, requests/s, TTFT P50/P99, bytes moved, queue", _json("History"), 401)
+
 DOCUMENT = {
     "openapi": "3.1.0",
     "info": {"title": "kvstore admin API", "version": __version__,
-             "description": "Inspect and steer a kvstore's tiered KV cache. Errors are JSON {\"error\": \"...\"}. "
+             "description": "Inspect and steer a kvstore's tiered KV cache. Errors are JSON {\"error\": \"...\"}; "
+                            "a request is checked against its operation here (400 names the field and what "
+                            "it allows); fields and query parameters not named here are refused. "
                             "When admin.token is set, every path except /healthz, /readyz and / needs "
                             "`Authorization: Bearer <token>`."},
     "paths": PATHS,

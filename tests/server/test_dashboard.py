@@ -1,5 +1,6 @@
 """The dashboard in headless Chromium: it loads with a token, shows the numbers of /v1/stats and
-/v1/prefixes, asks for the token when it has none, and renders a non-blank screenshot."""
+/v1/prefixes, draws the time series of /v1/history after real engine traffic, asks for the token
+when it has none, and renders a non-blank screenshot."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from kvstore import __version__
+from kvstore.server.admin import STATE
 from test_admin import TOKEN, running_admin
+from test_history import sample_every
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (scripts/bootstrap installs it)")
@@ -102,6 +106,8 @@ async def test_dashboard_shows_the_stats(tmp_path):
     assert [r["data-key"] for r in page.rows] == [p["key"] for p in prefixes["prefixes"]] != []
     assert int(page.rows[0]["data-hits"]) == prefixes["prefixes"][0]["hits"]
     assert page.by_id["prefixes"][0]["data-count"] == str(len(prefixes["prefixes"]))
+    assert {r["data-namespace"] for r in page.rows} == {p["namespace"] for p in prefixes["prefixes"]}
+    assert page.by_id["tier-hot"][0]["data-level"] == "low"   # 50%, below the low watermark (75%)
     assert TOKEN not in html   # the token left the address (kept in localStorage only)
 
 
@@ -159,5 +165,85 @@ async def test_dashboard_screenshot(tmp_path):
     bpp = len(rows[0]) // width
     colours = {row[x:x + 3] for row in rows[::4] for x in range(0, len(row), bpp * 4)}
     assert len(colours) > 20   # text, bars and cards, not a blank page
-    hot_bar = bytes((0xd9, 0x48, 0x0f))
-    assert hot_bar in colours   # the hot tier's occupancy bar is drawn
+    below_low_watermark = bytes((0x40, 0xc0, 0x57))
+    assert below_low_watermark in colours   # the hot tier's occupancy bar is drawn, green at 50%
+
+
+async def test_dashboard_draws_the_history(tmp_path):
+    from engine import LLM, AsyncLLM, SamplingParams
+    from kvstore.config import load_config
+
+    config = load_config(None, {}, {"data_dir": str(tmp_path / "llm"), "hot.device": "cpu", "hot.pool": "8MiB",
+                                    "warm.bytes": "8MiB"})
+    llm = LLM("tiny", config=config)
+    engine = AsyncLLM(llm)
+    await engine.start()
+    shot = tmp_path / "history.png"
+    try:
+        async with running_admin(tmp_path, token=TOKEN, engine=engine, store=llm.store) as admin:
+            metrics = admin.app[STATE].metrics
+            engine.on_finish = lambda o: metrics.observe_request(   # as `kvstore serve` feeds it
+                o.ttft_s, o.latency_s, o.finish_reason in ("stop", "length"), prompt_tokens=len(o.prompt_token_ids),
+                generation_tokens=len(o.token_ids), cached_tokens=o.cached_tokens)
+            await sample_every(admin.app, 0.2)
+            cached = []
+            for _ in range(3):   # the same prompt: the second and third find it in hot
+                async for out in engine.generate(list(range(1, 120)), SamplingParams(max_tokens=4, temperature=0)):
+                    pass
+                cached.append(out.cached_tokens["hot"])
+            assert cached[0] == 0 and cached[1] > 0
+            for _ in range(100):   # a sample after the traffic, and a quiet one after it
+                _, history = await admin.get("/v1/history")
+                rates = [s["requests_per_s"] for s in history["samples"]]
+                if any(rates) and rates[-1] == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert len(history["samples"]) >= 2
+            html = await chromium(tmp_path, f"{admin.url}/#token={TOKEN}", "--dump-dom")
+            await chromium(tmp_path, f"{admin.url}/#token={TOKEN}", f"--screenshot={shot}")
+            _, history = await admin.get("/v1/history")
+            _, stats = await admin.get("/v1/stats")
+    finally:
+        await engine.stop()
+        llm.close()
+    page = Elements(html)
+    assert page.by_id["status"][0]["data-state"] == "ok", page.text("status")
+    assert page.text("server-model") == "tiny" and page.text("server-version") == __version__
+    assert float(page.value("server-uptime")) > 0 and page.text("server-instance")
+
+    # each chart drew the samples the server had when the page last refreshed
+    last_t = float(page.by_id["chart-requests"][0]["data-last-t"])
+    drawn = [s for s in history["samples"] if s["t"] <= last_t]
+    assert drawn and drawn[-1]["t"] == last_t
+    charts = {"occupancy": {t: lambda s, t=t: s["occupancy"][t] for t in ("hot", "warm", "cold")},
+              "hit-rate": {t: lambda s, t=t: s["hit_rate"][t] for t in ("hot", "warm", "cold", "peer")},
+              "requests": {"requests": lambda s: s["requests_per_s"]},
+              "ttft": {"p50": lambda s: s["ttft_p50_s"], "p99": lambda s: s["ttft_p99_s"]},
+              "bytes-moved": {d: lambda s, d=d: s["bytes_moved_per_s"][d] for d in ("up", "down")},
+              "queue": {"waiting": lambda s: s["queue_depth"], "running": lambda s: s["running"]}}
+    for chart, series in charts.items():
+        assert page.by_id[f"chart-{chart}"][0]["data-points"] == str(len(drawn)), chart
+        for name, value in series.items():
+            values = [v for v in map(value, drawn) if v is not None]
+            path = page.by_id[f"chart-{chart}-{name}"][0]
+            assert int(path["data-points"]) == len(values), (chart, name)
+            if values:
+                assert float(path["data-last"]) == pytest.approx(values[-1]), (chart, name)
+            else:
+                assert path["data-last"] == "", (chart, name)
+            assert page.value(f"legend-{chart}-{name}") == path["data-last"]
+    assert float(page.by_id["chart-hit-rate-hot"][0]["data-last"]) > 0   # the repeated prompt's hits
+    assert int(page.by_id["chart-requests-requests"][0]["data-points"]) == len(drawn) >= 2
+    assert max(float(s["ttft_p99_s"] or 0) for s in drawn) > 0
+
+    # occupancy is coloured by the tier's watermarks
+    for tier in ("hot", "warm", "cold"):
+        t = stats["tiers"][tier]
+        occ = t["used_bytes"] / t["capacity_bytes"]
+        level = "high" if occ >= t["high_watermark"] else "mid" if occ >= t["low_watermark"] else "low"
+        assert page.by_id[f"tier-{tier}"][0]["data-level"] == level, tier
+
+    width, height, rows = png_pixels(shot.read_bytes())
+    bpp = len(rows[0]) // width
+    colours = {row[x:x + 3] for row in rows[::2] for x in range(0, len(row), bpp)}
+    assert bytes((0x9c, 0x36, 0xb5)) in colours   # the hot series' colour
