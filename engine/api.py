@@ -1,26 +1,41 @@
-"""OpenAI-compatible HTTP API over AsyncLLM: /v1/completions, /v1/chat/completions, /v1/models, /health.
+"""OpenAI-compatible HTTP API over AsyncLLM, with vLLM's extensions and endpoints.
 
-Request fields follow OpenAI's (the default temperature is 1.0, as there). Extensions, as in vLLM:
-top_k, stop_token_ids, ignore_eos, priority, and return_token_ids (each choice also carries
-`token_ids`, the response `prompt_token_ids`). A list of prompts and `n` > 1 run as separate
-engine requests; with a seed, sample j of a prompt uses seed + j. The tenant (whose cached
-prefixes no other tenant sees) is the `X-Tenant` header, else the `user` field. The `model`
-field may be left out; when given it must name the served model.
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize (vLLM's
+shapes), /version, /health, /metrics (when given the Metrics), /openapi.json (this API's requests
+as JSON Schema, from engine.openai_models).
+
+Requests are typed (engine.openai_models): a field this server does not describe is refused with
+400 naming it, never ignored. Sampling follows OpenAI and vLLM (the default temperature is 1.0):
+top_k, min_p, presence/frequency/repetition penalties, logit_bias, seed, stop, stop_token_ids,
+ignore_eos, priority, logprobs, echo (completions; not with logprobs: prompt logprobs are not
+computed), return_token_ids (each choice also carries `token_ids`, the response
+`prompt_token_ids`). A list of prompts and `n` > 1 run as separate engine requests; with a seed,
+sample j of a prompt uses seed + j. The `model` field may be left out; a model other than the
+served one is 404, as in OpenAI.
+
+Authentication and tenants (the namespace whose cached prefixes no other tenant sees): with API
+keys (server.api_key, server.api_keys), every endpoint but /health, /version, /metrics and
+/openapi.json needs `Authorization: Bearer KEY` (401 otherwise), and a request's tenant is its
+key's (server.api_key: the default tenant ""). The `user` field is only recorded (access log).
+The X-Tenant header chooses the tenant only with server.trust_tenant_header (a gateway that
+authenticates users itself); otherwise a header naming another tenant is refused (403).
 
 Limits are checked as vLLM checks them: a prompt with `max_tokens` past the model's context
 (`max_model_len` in /v1/models) is refused, not cut short. Left out, `max_tokens` is what fits in
 the context (a completion's: at most 16, OpenAI's default).
 
-Errors are OpenAI's error JSON: 400 for what the client can fix, 413 for a body over the limit,
-429 with Retry-After when the engine's queue is full, 500 (logged) for anything else. A request
-whose client disconnects is aborted, its pages released (the access log shows 499). Logs never
-hold request content: no prompt, message, token id or generated text.
+Errors are OpenAI's error JSON: 400 for what the client can fix, 401/403 for keys and tenants, 404
+for another model, 413 for a body over the limit, 429 with Retry-After when the engine's queue is
+full, 500 (logged) for anything else. A request whose client disconnects is aborted, its pages
+released (the access log shows 499). Logs never hold request content: no prompt, message, token
+id or generated text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import itertools
 import json
 import logging
@@ -30,13 +45,21 @@ import traceback
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, TypeVar
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from engine import AsyncLLM, InvalidRequest, QueueFull, RequestOutput, SamplingParams
+from engine.openai_models import (SHAPES, ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                  InvalidBody, Sampling, TokenizeChat, TokenizeCompletion, parse)
 from engine.request import StepFailed
 from engine.tokenizer import check_text
+from kvstore import __version__
+from kvstore.config import ServerConfig
+from kvstore.server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +69,10 @@ COMPLETION_MAX_TOKENS = 16      # a completion's max_tokens when left out (OpenA
 CLIENT_CLOSED = 499             # the status logged for a request whose client went away (nginx's)
 WARM_UP_LENGTHS = (8, 64, 200)  # prompt tokens
 WARM_UP_TEXT = "The quick brown fox jumps over the lazy dog. "
-ROLES = ("system", "developer", "user", "assistant", "tool")
-# request fields this server does not implement: accepted only with their neutral value
-UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "presence_penalty": (0,),
-               "frequency_penalty": (0,), "logit_bias": ({},), "tools": ([],), "functions": ([],),
-               "response_format": ({"type": "text"},)}
+OPEN_PATHS = ("/health", "/version", "/metrics", "/openapi.json")   # no API key needed, as in vLLM
 ENGINE_STOPPED = "the engine stopped after an internal error; restart the server"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass
@@ -61,9 +81,30 @@ class ServerState:
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
+@dataclass(frozen=True)
+class Served:
+    """What the API answers as, and to whom: the model id and root, the API keys and their tenants."""
+
+    name: str
+    root: str
+    keys: dict[bytes, str]          # API key -> tenant; empty: no key needed, every request in tenant ""
+    trust_tenant_header: bool = False
+
+    @classmethod
+    def of(cls, llm, server: ServerConfig) -> "Served":
+        keys = {k.encode(): t for k, t in (server.api_keys or {}).items()}
+        if server.api_key:
+            keys.setdefault(server.api_key.encode(), "")
+        return cls(server.served_model_name or llm.model_name, llm.config.model, keys, server.trust_tenant_header)
+
+
 ENGINE = web.AppKey("engine", AsyncLLM)
 STATE = web.AppKey("state", ServerState)
+SERVED = web.AppKey("served", Served)
+METRICS = web.AppKey("metrics", Metrics)
 MAX_BODY = web.AppKey("max_body_bytes", int)
+TENANT = web.RequestKey("tenant", str)     # the authenticated tenant
+USER = web.RequestKey("user", str)         # the `user` field, recorded in the access log
 
 
 class ApiError(Exception):
@@ -93,6 +134,7 @@ class Job:
     return_token_ids: bool
     tenant: str
     priority: int
+    echo: list[str] | None = None   # per prompt: the text a completion choice starts with
 
     def requests(self) -> list[tuple[str | list[int], SamplingParams]]:
         """(prompt, params) per choice: choice p * n + j is sample j of prompt p."""
@@ -101,19 +143,8 @@ class Job:
             return self.params if j == 0 or seed is None else dataclasses.replace(self.params, seed=seed + j)
         return [(prompt, sample(j)) for prompt in self.prompts for j in range(self.n)]
 
-
-_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
-_BOOL = (lambda v: isinstance(v, bool), "true or false")
-_STR = (lambda v: isinstance(v, str), "a string")
-_DICT = (lambda v: isinstance(v, dict), "an object")
-
-
-def _short(value) -> str:
-    try:
-        text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    except RecursionError:
-        text = f"(a {type(value).__name__} nested too deeply to show)"
-    return text if len(text) <= 40 else text[:37] + "..."
+    def echoed(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
 
 
 def _text(value: str, name: str, param: str) -> str:
@@ -124,64 +155,63 @@ def _text(value: str, name: str, param: str) -> str:
         raise ApiError(400, str(exc), param) from None
 
 
-def _opt(body: dict, name: str, default, check: Callable | None = None, allowed: str = ""):
-    """body[name], or `default` when it is missing or null; 400 when `check` fails."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if check and not check(value):
-        raise ApiError(400, f"{name} = {_short(value)}: must be {allowed}", name)
-    return value
+def _given(value, default):
+    return default if value is None else value
 
 
-def _params(body: dict, default_max_tokens: int, logprobs: int | None, max_tokens_field: str) -> SamplingParams:
-    stop = _opt(body, "stop", [])
-    seed = _opt(body, "seed", None, lambda v: _INT[0](v) and -(1 << 63) <= v < (1 << 63),
-                "an integer in [-2^63, 2^63)")
+def _params(req: Sampling, max_tokens: int, logprobs: int | None, max_tokens_field: str) -> SamplingParams:
+    stop = _given(req.stop, [])
+    stops = [stop] if isinstance(stop, str) else stop
+    for i, s in enumerate(stops):
+        _text(s, "stop" if isinstance(stop, str) else f"stop[{i}]", "stop")
     params = SamplingParams(
-        max_tokens=_opt(body, max_tokens_field, default_max_tokens), temperature=_opt(body, "temperature", 1.0),
-        top_k=_opt(body, "top_k", 0), top_p=_opt(body, "top_p", 1.0), seed=seed,
-        stop=[stop] if isinstance(stop, str) else stop, stop_token_ids=_opt(body, "stop_token_ids", []),
-        logprobs=logprobs, ignore_eos=_opt(body, "ignore_eos", False, *_BOOL))
+        max_tokens=max_tokens, temperature=_given(req.temperature, 1.0),
+        top_k=0 if req.top_k == -1 else _given(req.top_k, 0),     # vLLM's -1: off
+        top_p=_given(req.top_p, 1.0), min_p=_given(req.min_p, 0.0), seed=req.seed, stop=stops,
+        stop_token_ids=_given(req.stop_token_ids, []), logprobs=logprobs, ignore_eos=_given(req.ignore_eos, False),
+        presence_penalty=_given(req.presence_penalty, 0.0), frequency_penalty=_given(req.frequency_penalty, 0.0),
+        repetition_penalty=_given(req.repetition_penalty, 1.0), logit_bias=_given(req.logit_bias, {}))
     try:
         return params.validate()
     except InvalidRequest as exc:
         message = str(exc).replace("max_tokens", max_tokens_field, 1)
-        raise ApiError(400, message, message.split(" = ", 1)[0]) from None
+        raise ApiError(400, message, message.split(" = ", 1)[0].split("[", 1)[0]) from None
 
 
-def _fit_context(body: dict, field: str, prompts: list[list[int]], context: int, where: str,
+def _fit_context(given: int | None, field: str, prompts: list[list[int]], context: int, where: str,
                  default: int | None) -> int:
-    """The default max_tokens: `default` (None: no limit) cut to what fits in the context after
-    the longest prompt. 400, as vLLM answers, when the prompt leaves no room or the given
-    max_tokens does not fit (a max_tokens of a wrong type is left to SamplingParams.validate)."""
+    """max_tokens: the given one, else `default` (None: no limit) cut to what fits in the context
+    after the longest prompt. 400, as vLLM answers, when the prompt leaves no room or the given
+    max_tokens does not fit (one below 1 is left to SamplingParams.validate)."""
     longest = max(len(p) for p in prompts)
     intro = f"This model's maximum context length is {context} tokens. However, you requested"
     if longest >= context:
         raise ApiError(400, f"{intro} {longest} tokens in the {where}, which leaves none for the completion. "
                             f"Please reduce the length of the {where}.", where)
-    given = body.get(field)
-    if _INT[0](given) and given >= 1 and longest + given > context:
-        raise ApiError(400, f"{intro} {longest + given} tokens ({longest} in the {where}, {given} in the "
-                            f"completion). Please reduce the length of the {where} or completion.", field)
+    if given is not None:
+        if given >= 1 and longest + given > context:
+            raise ApiError(400, f"{intro} {longest + given} tokens ({longest} in the {where}, {given} in the "
+                                f"completion). Please reduce the length of the {where} or completion.", field)
+        return given
     room = context - longest
     return room if default is None else min(default, room)
 
 
-def _parse(request: web.Request, body: dict, prompts: list[list[int]], default_max_tokens: int,
-           logprobs: int | None, max_tokens_field: str = "max_tokens") -> Job:
+def _job(request: web.Request, req: Sampling, prompts: list[list[int]], max_tokens: int, logprobs: int | None,
+         max_tokens_field: str = "max_tokens") -> Job:
     """The fields that completions and chat share."""
-    params = _params(body, default_max_tokens, logprobs, max_tokens_field)
-    n = _opt(body, "n", 1, lambda v: _INT[0](v) and v >= 1, "an integer >= 1")
+    params = _params(req, max_tokens, logprobs, max_tokens_field)
+    n = _given(req.n, 1)
+    if n < 1:
+        raise ApiError(400, f"n = {n}: must be an integer >= 1", "n")
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts x n = {n}: at most {MAX_CHOICES} choices per request", "n")
-    options = _opt(body, "stream_options", {}, *_DICT)
-    tenant = request.headers.get("X-Tenant") or _opt(body, "user", "", *_STR)
-    return Job(prompts=prompts, params=params, n=n, stream=_opt(body, "stream", False, *_BOOL),
-               include_usage=bool(options.get("include_usage")),
-               return_token_ids=_opt(body, "return_token_ids", False, *_BOOL),
-               tenant=_text(tenant, "the tenant (the X-Tenant header or user)", "user"),
-               priority=_opt(body, "priority", 0, *_INT))
+    if req.user is not None:
+        request[USER] = _text(req.user, "user", "user")     # recorded in the access log, nothing more
+    return Job(prompts=prompts, params=params, n=n, stream=_given(req.stream, False),
+               include_usage=bool(req.stream_options and req.stream_options.include_usage),
+               return_token_ids=_given(req.return_token_ids, False), tenant=request[TENANT],
+               priority=_given(req.priority, 0))
 
 
 def _reject_constant(name: str):
@@ -189,7 +219,7 @@ def _reject_constant(name: str):
 
 
 async def _body(request: web.Request) -> dict:
-    """The JSON object of the request body, checked against the served model and the fields not supported."""
+    """The JSON object of the request body."""
     raw = await request.read()          # over client_max_size: HTTPRequestEntityTooLarge -> 413
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
@@ -199,52 +229,47 @@ async def _body(request: web.Request) -> dict:
         raise ApiError(400, "the request body is not valid JSON (nested too deeply)") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    served = request.app[ENGINE].llm.model_name
-    model = _opt(body, "model", served, *_STR)
-    if model != served:
-        raise ApiError(400, f"unknown model {model!r}: this server serves {served!r}", "model", code="model_not_found")
-    for name, neutral in UNSUPPORTED.items():
-        if body.get(name) is not None and body[name] not in neutral:
-            raise ApiError(400, f"{name} = {_short(body[name])}: not supported by this server", name)
     return body
 
 
-def _is_ids(value) -> bool:
-    return isinstance(value, list) and all(_INT[0](t) for t in value)
+def _check_model(request: web.Request, model: str | None) -> None:
+    """404 as OpenAI answers it when the request names a model this server does not serve."""
+    served = request.app[SERVED].name
+    if model is not None and model != served:
+        raise ApiError(404, f"The model {model!r} does not exist: this server serves {served!r}.", "model",
+                       code="model_not_found")
+
+
+async def _request(request: web.Request, model: type[M]) -> M:
+    """The request body as `model`, naming the served model (or none)."""
+    body = await _body(request)
+    try:
+        parsed = parse(model, body)
+    except InvalidBody as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    _check_model(request, parsed.model)
+    return parsed
 
 
 def _prompts(tok, value) -> list[list[int]]:
-    """`prompt` (a string, a list of token ids, or a list of those) as token id lists."""
-    if value is None:
-        raise ApiError(400, "prompt is required: a string, a list of token ids, or a list of those", "prompt")
-    prompts = [value] if isinstance(value, str) or (value and _is_ids(value)) else value
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) or _is_ids(p) for p in prompts):
-        raise ApiError(400, "prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
-    if not all(prompts):
+    """`prompt` (a string, a list of token ids, or a list of those; typed by CompletionRequest) as
+    token id lists."""
+    prompts = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
+    if not prompts or not all(prompts):
         raise ApiError(400, "prompt must not be empty", "prompt")
     return [tok.encode(_text(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]", "prompt"))
             if isinstance(p, str) else p for i, p in enumerate(prompts)]
 
 
-def _chat_prompt(llm, messages) -> list[int]:
-    """`messages` rendered by the model's chat template, as token ids."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+def _chat_text(llm, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    """`messages` rendered by the model's chat template."""
     turns = []
     for i, m in enumerate(messages):
-        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                             and isinstance(p.get("text"), str) for p in content):
-            content = "\n".join(p["text"] for p in content)
-        if content is None and role == "assistant":
-            content = ""
-        if role not in ROLES or not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}] must be an object with a role ({', '.join(ROLES)}) and a content "
-                                "(a string or a list of text parts)", f"messages[{i}]")
-        _text(content, f"messages[{i}].content", f"messages[{i}]")
-        turns.append({"role": "system" if role == "developer" else role, "content": content})
-    text = llm.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
-    return llm.tokenizer.encode(text, add_bos=False)   # the template holds its special tokens
+        if m.content is None and m.role != "assistant":
+            raise ApiError(400, f"messages[{i}] {SHAPES['messages[]']}", f"messages[{i}]")
+        content = _text(m.text(), f"messages[{i}].content", f"messages[{i}]")
+        turns.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return llm.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
 
 
 # running
@@ -339,7 +364,7 @@ class Choice:
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": delta} if first else {"content": delta} if delta else {}
         else:
-            choice["text"] = delta
+            choice["text"] = self.job.echoed(self.index) + delta if first else delta
         entries = (out.logprobs or [])[self.tokens:]
         choice["logprobs"] = None if out.logprobs is None else _chat_logprobs(self.tok, entries) if self.chat \
             else _completion_logprobs(self.tok, entries, len(self.text))
@@ -358,7 +383,7 @@ def _final_choice(index: int, out: RequestOutput, job: Job, chat: bool, tok) -> 
         choice["message"] = {"role": "assistant", "content": out.text}
         choice["logprobs"] = None if out.logprobs is None else _chat_logprobs(tok, out.logprobs)
     else:
-        choice["text"] = out.text
+        choice["text"] = job.echoed(index) + out.text
         choice["logprobs"] = None if out.logprobs is None else _completion_logprobs(tok, out.logprobs, 0)
     choice["finish_reason"] = out.finish_reason
     if job.return_token_ids:
@@ -374,7 +399,7 @@ async def _answer(request: web.Request, job: Job, chat: bool) -> web.StreamRespo
         raise ApiError(503, ENGINE_STOPPED, type="server_error", code="engine_stopped")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": engine.llm.model_name}
+            "model": request.app[SERVED].name}
     streams = [engine.generate(prompt, params, tenant=job.tenant, request_id=f"{rid}-{i}", priority=job.priority)
                for i, (prompt, params) in enumerate(job.requests())]
     async with aclosing(_merged(streams)) as outputs:
@@ -442,33 +467,115 @@ async def _stream(request: web.Request, job: Job, chat: bool, head: dict, output
 
 # handlers
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = await _body(request)
+    req = await _request(request, CompletionRequest)
     llm = request.app[ENGINE].llm
-    logprobs = _opt(body, "logprobs", None, lambda v: _INT[0](v) and 0 <= v <= 20, "an integer in [0, 20]")
-    prompts = _prompts(llm.tokenizer, body.get("prompt"))
-    default = _fit_context(body, "max_tokens", prompts, llm.max_seq_len, "prompt", COMPLETION_MAX_TOKENS)
-    return await _answer(request, _parse(request, body, prompts, default, logprobs), chat=False)
+    if req.echo and req.logprobs is not None:
+        raise ApiError(400, "echo with logprobs: prompt logprobs are not computed by this server; "
+                            "leave out one of them", "echo")
+    logprobs = req.logprobs
+    if logprobs is not None and not 0 <= logprobs <= 20:
+        raise ApiError(400, f"logprobs = {logprobs}: must be an integer in [0, 20]", "logprobs")
+    prompts = _prompts(llm.tokenizer, req.prompt)
+    max_tokens = _fit_context(req.max_tokens, "max_tokens", prompts, llm.max_seq_len, "prompt", COMPLETION_MAX_TOKENS)
+    job = _job(request, req, prompts, max_tokens, logprobs)
+    if req.echo:
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt if isinstance(req.prompt[0], str) \
+            else None
+        job.echo = texts or [llm.tokenizer.decode(p) for p in prompts]
+    return await _answer(request, job, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await _body(request)
+    req = await _request(request, ChatRequest)
     llm = request.app[ENGINE].llm
-    ids = _chat_prompt(llm, body.get("messages"))
-    top = _opt(body, "top_logprobs", 0, lambda v: _INT[0](v) and 0 <= v <= 20, "an integer in [0, 20]")
-    logprobs = top if _opt(body, "logprobs", False, *_BOOL) else None
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    default = _fit_context(body, field, [ids], llm.max_seq_len, "messages", None)
-    return await _answer(request, _parse(request, body, [ids], default, logprobs, field), chat=True)
+    ids = llm.tokenizer.encode(_chat_text(llm, req.messages), add_bos=False)   # the template holds its specials
+    top = _given(req.top_logprobs, 0)
+    if not 0 <= top <= 20:
+        raise ApiError(400, f"top_logprobs = {top}: must be an integer in [0, 20]", "top_logprobs")
+    logprobs = top if req.logprobs else None
+    field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    given = _given(req.max_completion_tokens, req.max_tokens)
+    max_tokens = _fit_context(given, field, [ids], llm.max_seq_len, "messages", None)
+    return await _answer(request, _job(request, req, [ids], max_tokens, logprobs, field), chat=True)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: a prompt, or chat messages through the template."""
+    body = await _body(request)
+    model = TokenizeChat if "messages" in body else TokenizeCompletion
+    try:
+        req = parse(model, body)
+    except InvalidBody as exc:
+        raise ApiError(400, str(exc), exc.param) from None
+    _check_model(request, req.model)
+    llm = request.app[ENGINE].llm
+    if isinstance(req, TokenizeChat):
+        text = _chat_text(llm, req.messages, req.add_generation_prompt)
+    else:
+        text = _text(req.prompt, "prompt", "prompt")
+    ids = llm.tokenizer.encode(text, add_bos=req.add_special_tokens)
+    return web.json_response({"count": len(ids), "max_model_len": llm.max_seq_len, "tokens": ids,
+                              "token_strs": llm.tokenizer.token_strs(ids) if req.return_token_strs else None})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: token ids to text."""
+    req = await _request(request, DetokenizeRequest)
+    llm = request.app[ENGINE].llm
+    vocab = llm.loaded.shape.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"tokens: {bad} is not a token id of this model (ids are in [0, {vocab}))", "tokens")
+    return web.json_response({"prompt": llm.tokenizer.decode(req.tokens)})
 
 
 async def models(request: web.Request) -> web.Response:
-    llm, state = request.app[ENGINE].llm, request.app[STATE]
-    card = {"id": llm.model_name, "object": "model", "created": state.started, "owned_by": "kvstore",
-            "max_model_len": llm.max_seq_len}
-    if request.match_info.get("model", llm.model_name) != llm.model_name:
-        raise ApiError(404, f"unknown model {request.match_info['model']!r}: this server serves "
-                            f"{llm.model_name!r}", "model", code="model_not_found")
-    return web.json_response(card if "model" in request.match_info else {"object": "list", "data": [card]})
+    llm, state, served = request.app[ENGINE].llm, request.app[STATE], request.app[SERVED]
+    card = {"id": served.name, "object": "model", "created": state.started, "owned_by": "kvstore",
+            "root": served.root, "parent": None, "max_model_len": llm.max_seq_len,
+            "permission": [{"id": f"modelperm-{served.name}", "object": "model_permission", "created": state.started,
+                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                            "organization": "*", "group": None, "is_blocking": False}]}
+    if "model" in request.match_info:
+        _check_model(request, request.match_info["model"])
+        return web.json_response(card)
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
+async def metrics_text(request: web.Request) -> web.Response:
+    """The Prometheus metrics, as on the admin API (vLLM serves them on its API port)."""
+    body = await asyncio.to_thread(request.app[METRICS].render)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+def openapi_document() -> dict:
+    """This API's OpenAPI document: the request bodies from engine.openai_models."""
+    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
+              "/tokenize": TokenizeCompletion, "/detokenize": DetokenizeRequest}
+    _, schemas = models_json_schema([(m, "validation") for m in (*bodies.values(), TokenizeChat)],
+                                    ref_template="#/components/schemas/{model}")
+
+    def body(*names: str) -> dict:
+        refs = [{"$ref": f"#/components/schemas/{n}"} for n in names]
+        return {"required": True, "content": {"application/json": {"schema": refs[0] if len(refs) == 1
+                                                                   else {"oneOf": refs}}}}
+    paths = {path: {"post": {"requestBody": body(m.__name__) if path != "/tokenize"
+                             else body("TokenizeCompletion", "TokenizeChat"),
+                             "responses": {"200": {"description": "OK"}}}} for path, m in bodies.items()}
+    for path in ("/v1/models", "/health", "/version", "/metrics"):
+        paths[path] = {"get": {"responses": {"200": {"description": "OK"}}}}
+    return {"openapi": "3.1.0", "info": {"title": "kvstore OpenAI-compatible API", "version": __version__},
+            "paths": paths, "components": {"schemas": schemas.get("$defs", {}),
+                                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
 
 
 async def health(request: web.Request) -> web.Response:
@@ -518,22 +625,71 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
         return ApiError(500, "internal server error (logged on the server)", type="server_error").response()
 
 
+@web.middleware
+async def authenticate(request: web.Request, handler) -> web.StreamResponse:
+    """The request's tenant (request[TENANT]): its API key's; 401 without a valid key when keys are set."""
+    if request.path in OPEN_PATHS:
+        return await handler(request)
+    served = request.app[SERVED]
+    tenant = ""
+    if served.keys:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        presented = given.strip().encode("utf-8", "surrogateescape")
+        matched = [t for k, t in served.keys.items() if hmac.compare_digest(k, presented)]   # every key, no early exit
+        if scheme.lower() != "bearer" or not matched:
+            raise ApiError(401, "a valid API key is required: send the header Authorization: Bearer KEY",
+                           type="invalid_request_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        tenant = matched[0]
+    header = request.headers.get("X-Tenant")
+    if header is not None:
+        header = _text(header, "the X-Tenant header", "X-Tenant")
+        if served.trust_tenant_header:
+            tenant = header
+        elif header != tenant:
+            raise ApiError(403, "the X-Tenant header names another tenant than this request's: the tenant is the API "
+                                "key's (server.api_keys); X-Tenant is honoured only with server.trust_tenant_header",
+                           "X-Tenant", type="invalid_request_error", code="tenant_forbidden")
+    request[TENANT] = tenant
+    return await handler(request)
+
+
+class AccessLogger(AbstractAccessLogger):
+    """Method, path (no query string), status, time, tenant and `user`: never a request's content."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        self.logger.info("%s %s %s %d %.1f ms tenant=%r user=%r", request.remote, request.method, request.path,
+                         response.status, time * 1000, request.get(TENANT), request.get(USER))
+
+
 def api_runner(app: web.Application, **kwargs) -> web.AppRunner:
     """The runner the API is served with: a handler is cancelled when its client disconnects
     (aiohttp's AppRunner does not do that by default), so a request nobody waits for is aborted
     and its pages are released, streamed or not."""
+    kwargs.setdefault("access_log_class", AccessLogger)
+    kwargs.setdefault("access_log", logging.getLogger("kvstore.api.access"))
     return web.AppRunner(app, handler_cancellation=True, **kwargs)
 
 
-def create_app(engine: AsyncLLM, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
-    """The API over a started AsyncLLM. /health answers 503 until warm_up(engine, app) is done."""
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[errors])
+def create_app(engine: AsyncLLM, server: ServerConfig | None = None, metrics: Metrics | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+    """The API over a started AsyncLLM, as `server` configures it (default: the engine's config).
+    /health answers 503 until warm_up(engine, app) is done; /metrics exists when `metrics` is given."""
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[errors, authenticate])
     app[ENGINE], app[STATE], app[MAX_BODY] = engine, ServerState(), max_body_bytes
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model}", models)
-    app.router.add_get("/health", health)
+    app[SERVED] = Served.of(engine.llm, server or engine.llm.config.server)
+    add = app.router
+    add.add_post("/v1/completions", completions)
+    add.add_post("/v1/chat/completions", chat_completions)
+    add.add_get("/v1/models", models)
+    add.add_get("/v1/models/{model}", models)
+    add.add_post("/tokenize", tokenize)
+    add.add_post("/detokenize", detokenize)
+    add.add_get("/version", version)
+    add.add_get("/health", health)
+    add.add_get("/openapi.json", openapi)
+    if metrics is not None:
+        app[METRICS] = metrics
+        add.add_get("/metrics", metrics_text)
     return app
 
 

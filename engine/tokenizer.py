@@ -49,6 +49,11 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (a byte as its character, specials by name)."""
+        names = {self.bos_token_id: "<bos>", self.eos_token_id: "<eos>", self.pad_token_id: "<pad>"}
+        return [names.get(i) or chr(i) for i in ids]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
         return text + "<|assistant|>\n" * add_generation_prompt
@@ -93,6 +98,10 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (transformers' convert_ids_to_tokens)."""
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
     @cached_property
     def chat_template(self) -> str | None:
         """tokenizer_config.json's `chat_template` (the default one if it lists several), else
@@ -106,30 +115,44 @@ class HFTokenizer:
             template = jinja_file.read_text()
         return template
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
-            raise InvalidRequest(f"model {self.path.name!r} has no chat template; use the completions API")
+    @cached_property
+    def _compiled_template(self):
+        """The chat template compiled once, in the environment transformers renders it in."""
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
 
-        # the environment transformers renders chat templates in
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
             json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.exceptions.TemplateError as exc:
+            raise InvalidRequest(f"chat template: {exc}") from None
+
+    @cached_property
+    def _special_tokens(self) -> dict[str, str]:
         special = {}
         for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
             token = self.config.get(name)
             token = token.get("content") if isinstance(token, dict) else token
             if isinstance(token, str):
                 special[name] = token
+        return special
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise InvalidRequest(f"model {self.path.name!r} has no chat template; use the completions API")
+        import jinja2
+
+        template = self._compiled_template
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **special)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **self._special_tokens)
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidRequest(f"chat template: {exc}") from None
 

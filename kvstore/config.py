@@ -194,10 +194,27 @@ class SchedulerConfig:
                               lambda v: all(n >= 0 for n in v.values()))
 
 
+def _api_keys(v: Any) -> dict[str, str]:
+    """API key -> tenant: a YAML mapping, or 'KEY1=alice,KEY2=bob' from the environment or --set."""
+    if isinstance(v, str):
+        v = dict(item.split("=", 1) for item in v.split(",") if item.strip()) if v.strip() else {}
+    if not isinstance(v, dict) or not all(isinstance(t, str) or t is None for t in v.values()):
+        raise ValueError
+    return {str(k).strip(): (t or "").strip() for k, t in v.items()}
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = opt("127.0.0.1", _str, "an address to bind")
     port: int = opt(8000, _int, "a port number in 0..65535", lambda v: 0 <= v <= 65535)
+    served_model_name: str = opt("", _str, "the model id the API answers to (empty: the preset's name or the "
+                                 "model directory's name)")
+    api_key: str = opt("", _str, "a bearer token every /v1/* request must carry (tenant: the default one; "
+                       "empty: no key)")
+    api_keys: dict = opt("", _api_keys, "a mapping API key -> tenant (or 'KEY1=alice,KEY2=bob'): a request's "
+                         "tenant is its key's", lambda v: all(k for k in v))
+    trust_tenant_header: bool = opt(False, _bool, "true or false (true: the X-Tenant header chooses the tenant, "
+                                    "for a gateway that authenticates users itself)")
 
 
 @dataclass(frozen=True)
@@ -208,6 +225,10 @@ class AdminConfig:
     tls_cert: str = opt("", _str, "a PEM certificate file (with tls_key: serve HTTPS)")
     tls_key: str = opt("", _str, "a PEM private key file")
     max_body_bytes: int = opt("1MiB", parse_size, "a byte size >= 1KiB", lambda v: v >= 1024)
+    history_interval_s: float = opt(2.0, _float, "seconds > 0 between the dashboard's history samples",
+                                    lambda v: v > 0)
+    history_samples: int = opt(300, _int, "an integer >= 2: the history samples kept (a ring buffer)",
+                               lambda v: v >= 2)
 
 
 @dataclass(frozen=True)
@@ -236,7 +257,7 @@ class ClusterConfig:
     flush_interval_s: float = opt(0.05, _float, "seconds > 0", lambda v: v > 0)
 
 
-SECRET_KEYS = ("admin.token", "cluster.token", "cluster.redis_url")
+SECRET_KEYS = ("admin.token", "cluster.token", "cluster.redis_url", "server.api_key", "server.api_keys")
 
 
 @dataclass(frozen=True)
@@ -289,8 +310,11 @@ class Config:
         if redact:
             for path in SECRET_KEYS:
                 section, key = path.split(".")
-                if out[section][key]:
-                    out[section][key] = _redact(out[section][key])
+                value = out[section][key]
+                if isinstance(value, dict):
+                    out[section][key] = {_redact(k): t for k, t in value.items()}
+                elif value:
+                    out[section][key] = _redact(value)
         return out
 
     @property

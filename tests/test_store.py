@@ -12,7 +12,7 @@ import torch
 
 from kvstore.errors import KVStoreError, OutOfCapacity
 from kvstore.keys import Namespace, page_keys, tokens_bytes
-from kvstore.record import RecordHeader, encode_bytes
+from kvstore.record import RecordHeader
 from kvstore.spec import KVSpec
 from storeutil import SPEC, expected_page, fill_and_commit, hold, make_store, tokens_for
 

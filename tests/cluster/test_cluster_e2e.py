@@ -32,7 +32,8 @@ async def start_instance(tmp_path: Path, name: str, redis_url: str, *extra: str)
         "--data-dir", str(tmp_path / name), "--redis-url", redis_url,
         "--set", f"cluster.instance_id={name}", "--set", "cluster.token=shared-secret",
         "--set", "cluster.fetch_policy=always", "--set", "cluster.heartbeat_s=0.3", "--set", "cluster.ttl_s=1.5",
-        "--set", "kv_dtype=float32", "--set", "engine.dtype=float32", *extra,
+        "--set", "kv_dtype=float32", "--set", "engine.dtype=float32",
+        "--set", "server.trust_tenant_header=true", *extra,       # the requests name their tenants
         cwd=tmp_path, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
     m = READY.fullmatch(line)

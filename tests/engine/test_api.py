@@ -135,17 +135,19 @@ async def test_return_token_ids_match_llm_generate(api, tmp_path):
     assert body["choices"][0]["text"] == ref.text
 
 
-async def test_repeated_long_prompt_is_served_from_the_cache_per_tenant(api):
+async def test_repeated_long_prompt_is_served_from_the_cache_whatever_the_user(api):
+    """`user` is only recorded: without API keys every request is in one tenant, so a shared
+    prompt is shared between users (tenants by key: test_api_vllm.py)."""
     body = completion(LONG_TEXT + "first", max_tokens=2)
-    _, first, _ = await api.post("/v1/completions", body, headers={"X-Tenant": "acme"})
-    _, again, _ = await api.post("/v1/completions", body, headers={"X-Tenant": "acme"})
-    _, other, _ = await api.post("/v1/completions", {**body, "user": "globex"})
+    _, first, _ = await api.post("/v1/completions", {**body, "user": "alice"})
+    _, again, _ = await api.post("/v1/completions", {**body, "user": "alice"})
+    _, other, _ = await api.post("/v1/completions", {**body, "user": "bob"})
     prompt_tokens = first["usage"]["prompt_tokens"]
     assert prompt_tokens > 150
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // 16 * 16
-    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0    # another tenant's cache
-    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // 16 * 16
+    assert again["choices"][0]["text"] == first["choices"][0]["text"] == other["choices"][0]["text"]
 
 
 async def test_several_prompts_and_n(api):
@@ -273,17 +275,23 @@ async def test_openai_client_sees_errors(api):
 # errors
 BAD_REQUESTS = [
     ("prompt longer than max_seq_len", completion([1] * 5000), "maximum context length is 4096 tokens", "prompt"),
-    ("temperature -1", completion("x", temperature=-1), "temperature = -1: must be", "temperature"),
-    ("top_p 0", completion("x", top_p=0), "top_p = 0: must be", "top_p"),
+    ("temperature -1", completion("x", temperature=-1), "temperature = -1.0: must be", "temperature"),
+    ("top_p 0", completion("x", top_p=0), "top_p = 0.0: must be", "top_p"),
     ("max_tokens 0", completion("x", max_tokens=0), "max_tokens = 0: must be", "max_tokens"),
-    ("max_tokens of a wrong type", completion("x", max_tokens="ten"), "max_tokens = 'ten': must be", "max_tokens"),
+    ("max_tokens of a wrong type", completion("x", max_tokens="ten"), "max_tokens = 'ten': input should be a valid "
+     "integer", "max_tokens"),
+    ("a boolean for a number", completion("x", temperature=True), "temperature = true: input should be a valid "
+     "number", "temperature"),
     ("malformed JSON", b'{"model": "tiny", "prompt": ', "not valid JSON", None),
     ("not an object", [1, 2], "must be a JSON object", None),
     ("missing prompt", {"model": "tiny", "max_tokens": 4}, "prompt is required", "prompt"),
     ("empty prompt", completion(""), "prompt must not be empty", "prompt"),
     ("prompt of a wrong type", completion({"text": "x"}), "prompt must be a string", "prompt"),
-    ("unknown model", completion("x", model="gpt-5"), "unknown model 'gpt-5'", "model"),
-    ("unsupported field", completion("x", echo=True), "echo = true: not supported", "echo"),
+    ("unknown field", completion("x", frobnicate=1), "frobnicate: unknown field", "frobnicate"),
+    ("unsupported response_format", completion("x", response_format={"type": "json_object"}),
+     'response_format = {"type": "json_object"}: not supported', "response_format"),
+    ("tools", completion("x", tools=[{"type": "function"}]), "tools = [", "tools"),
+    ("echo with logprobs", completion("x", echo=True, logprobs=1), "echo with logprobs", "echo"),
     ("token id out of the vocabulary", completion([1, 99999]), "token ids must be integers", None),
 ]
 

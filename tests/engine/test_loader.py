@@ -183,6 +183,18 @@ def test_hf_chat_template_renders_as_transformers(llama_dir):
         ours.apply_chat_template([{"role": "tool", "content": "x"}])
 
 
+def test_chat_template_is_compiled_once(llama_dir, monkeypatch):
+    import jinja2.sandbox
+
+    compiled = []
+    original = jinja2.sandbox.ImmutableSandboxedEnvironment.from_string
+    monkeypatch.setattr(jinja2.sandbox.ImmutableSandboxedEnvironment, "from_string",
+                        lambda self, *a, **k: compiled.append(1) or original(self, *a, **k))
+    tok = load_tokenizer(str(llama_dir))
+    texts = {tok.apply_chat_template([{"role": "user", "content": f"question {i}"}]) for i in range(5)}
+    assert len(texts) == 5 and len(compiled) == 1
+
+
 def test_hf_tokenizer_eos_list_and_missing_template(llama_dir, tmp_path):
     path = copy_model(llama_dir, tmp_path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))

@@ -17,7 +17,6 @@ import itertools
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ import torch
 from engine import LLM, SamplingParams
 from kvstore.config import load_config
 
-from conftest import clean_env
+from conftest import clean_env, terminate
 
 DURATION_S = float(os.environ.get("KVSTORE_PRESSURE_S", "60"))
 CLIENTS = 4
@@ -107,13 +106,7 @@ def start_serve(tmp: Path) -> Server:
 
 
 def stop_serve(server: Server) -> None:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
+    terminate(server.proc)
 
 
 # the clients
