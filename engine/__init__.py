@@ -1,7 +1,18 @@
-"""The decoding engine: Llama-family models over kvstore's tiered KV cache."""
+"""The decoding engine: Llama-family models over kvstore's tiered KV cache.
 
-from engine.llm import LLM, AsyncLLM
-from engine.request import QueueFull, RequestOutput
-from engine.sampler import InvalidRequest, SamplingParams
+The names below load on first use, so that `engine.config` (which the `kvstore` command reads
+for every subcommand) does not pull in the model code.
+"""
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "InvalidRequest", "QueueFull"]
+import importlib
+
+_EXPORTS = {"LLM": "engine.llm", "AsyncLLM": "engine.llm", "QueueFull": "engine.request",
+            "RequestOutput": "engine.request", "InvalidRequest": "engine.sampler", "SamplingParams": "engine.sampler"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -58,7 +58,7 @@ from engine.openai_models import (SHAPES, ChatMessage, ChatRequest, CompletionRe
 from engine.request import StepFailed
 from engine.tokenizer import check_text
 from kvstore import __version__
-from kvstore.config import ServerConfig
+from engine.config import ServerConfig
 from kvstore.server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)

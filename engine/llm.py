@@ -28,7 +28,9 @@ from engine.runner import ModelRunner
 from engine.sampler import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import check_text
-from kvstore.config import Config, key_paths, load_config
+from engine.config import Config, key_paths, load_config
+from kvstore.config import Config as StoreConfig
+from kvstore.config import key_paths as store_key_paths
 from kvstore.errors import ConfigError
 from kvstore.store import TieredStore
 from kvstore.tiers.device import resolve_device
@@ -47,7 +49,9 @@ def _overrides(model: str, kwargs: dict) -> dict:
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", config: Config | None = None, **options):
+    def __init__(self, model: str = "tiny", config: StoreConfig | None = None, **options):
+        if config is not None and not isinstance(config, Config):   # the store's tree: the engine's defaults
+            config = load_config(env={}, overrides=_flatten(config))
         self.config = config.replace(model=model) if config else load_config(overrides=_overrides(model, options))
         if config and options:
             self.config = load_config(env={}, overrides={**_flatten(self.config), **_overrides(model, options)})
@@ -75,6 +79,10 @@ class LLM:
         self.failed_steps = 0
 
     # requests
+    def namespace(self, tenant: str):
+        """The namespace of a tenant's pages: its own, or the shared one with engine.share_across_tenants."""
+        return self.store.namespace("" if self.config.engine.share_across_tenants else check_text(tenant, "tenant"))
+
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, tenant: str = "",
                      request_id: str | None = None, priority: int = 0) -> Request:
         params = (params or SamplingParams()).validate(vocab_size=self.loaded.shape.vocab_size)
@@ -90,8 +98,7 @@ class LLM:
         if pages > room:
             raise InvalidRequest(f"prompt needs {pages} KV pages; the hot and warm tiers hold {room} "
                                  "(raise hot.pool or warm.bytes)")
-        tenant_ns = "" if self.config.engine.share_across_tenants else check_text(tenant, "tenant")
-        return Request(request_id or f"req-{next(_ids)}", ids, params, self.store.namespace(tenant_ns),
+        return Request(request_id or f"req-{next(_ids)}", ids, params, self.namespace(tenant),
                        tenant=tenant, priority=priority)
 
     def submit(self, req: Request) -> None:
@@ -246,9 +253,9 @@ def _prepack(value: str, device: torch.device, dtype: torch.dtype) -> bool:
     return value == "true" or (value == "auto" and possible)
 
 
-def _flatten(cfg: Config) -> dict:
+def _flatten(cfg: StoreConfig) -> dict:
     out = {}
-    for path in key_paths():
+    for path in store_key_paths(type(cfg)):
         obj = cfg
         for part in path.split("."):
             obj = getattr(obj, part)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 
-from kvstore.config import Config
+from engine.config import Config
 from kvstore.errors import OutOfCapacity
 from kvstore.store import Match, TieredStore
 

@@ -2,7 +2,10 @@
 
 Each command module exposes `add_parser(subparsers)`, which registers its subcommand with
 `set_defaults(func=run)`, and `run(args) -> int`. Commands that read the config add the shared
-options with `add_config_options(parser)` and build the config with `config_from_args(args)`.
+options with `kvstore.config.add_config_options(parser)` and build the config with
+`kvstore.config.config_from_args(args)`, of the tree the command line was built for. This module
+holds the store's commands; the application (app.cli) adds `serve` and `job`, and its config
+tree, and is what the `kvstore` console script runs.
 Every user error ends as one line on stderr, `kvstore: error: <message>`, and exit code 2; a
 usage error adds the command to ask, `(see kvstore inspect stats --help)`. A command's options
 may come before or after its action (`CommandParser`).
@@ -17,6 +20,7 @@ import os
 import sys
 
 from kvstore import __version__
+from kvstore.config import Config, add_config_options, config_from_args, reference_rows
 from kvstore.errors import KVStoreError
 
 DESCRIPTION = """\
@@ -104,39 +108,9 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) 
     return args
 
 
-def add_config_options(parser: argparse.ArgumentParser) -> None:
-    """The options of every command that reads the config."""
-    group = parser.add_argument_group("config (defaults < file < KVSTORE_* env < these flags)")
-    group.add_argument("--config", metavar="FILE",
-                       help="YAML config file (default: $KVSTORE_CONFIG, else built-in defaults)")
-    group.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
-                       help="set one config key, e.g. --set hot.pool=2GiB (repeatable)")
-    group.add_argument("--data-dir", metavar="DIR", help="the data directory (config key data_dir)")
-
-
-def config_from_args(args: argparse.Namespace):
-    """The effective Config for a command's parsed arguments. Raises ConfigError."""
-    from kvstore.config import load_config, parse_set
-
-    overrides = parse_set(getattr(args, "set", None) or [])
-    if getattr(args, "data_dir", None):
-        overrides["data_dir"] = args.data_dir
-    return load_config(getattr(args, "config", None), os.environ, overrides)
-
-
-def reference_rows() -> list[tuple[str, str, str, str]]:
-    """(key, environment variable, default, allowed) for every config key."""
-    from kvstore.config import env_name, key_paths
-
-    def show(default) -> str:
-        return str(default).lower() if isinstance(default, bool) else str(default)
-
-    return [(path, env_name(path), show(f.default), f.metadata["allowed"]) for path, f in key_paths().items()]
-
-
 def _run_config(args: argparse.Namespace) -> int:
     if args.keys:
-        rows = [("KEY", "ENVIRONMENT", "DEFAULT", "ALLOWED")] + reference_rows()
+        rows = [("KEY", "ENVIRONMENT", "DEFAULT", "ALLOWED")] + reference_rows(args.config_root)
         widths = [max(len(row[i]) for row in rows) for i in range(3)]
         for row in rows:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
@@ -149,7 +123,7 @@ def _run_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_config_command(subparsers) -> None:
+def add_config_command(subparsers) -> None:
     p = subparsers.add_parser("config", help="print the effective config as YAML (--keys: list every key)",
                               description="Print the effective config (after file, environment and flags) "
                                           "as YAML, or with --keys every key with its environment variable, "
@@ -157,73 +131,6 @@ def _add_config_command(subparsers) -> None:
     add_config_options(p)
     p.add_argument("--keys", action="store_true", help="list every key, its env variable and allowed values")
     p.set_defaults(func=_run_config)
-
-
-SERVE_DESCRIPTION = """\
-Run the tiered store, the decoding engine and the OpenAI-compatible API in one process.
-
-The API: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
-POST /detokenize, GET /version, GET /health (503 until the warm-up requests are done, then 200)
-and GET /metrics (Prometheus). Requests name the model as /v1/models lists it: --served-model-name,
-else the preset's name or the model directory's name. With --api-key every /v1/* request carries
-`Authorization: Bearer KEY`.
-Tenants never share cached prefixes. A request's tenant is its API key's (server.api_keys); the
-X-Tenant header chooses it only with server.trust_tenant_header=true (behind a gateway that
-authenticates users itself); the request's `user` field is only recorded.
-One line is printed when the server is ready; SIGINT or SIGTERM stops it cleanly.
-"""
-
-
-def _add_serve_command(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="run the store, the engine and the OpenAI-compatible API in one process",
-                              description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", metavar="DIR_OR_PRESET",
-                   help="a Hugging Face model directory or a preset (tiny, small...); sets the config key "
-                        "`model` (default: tiny)")
-    p.add_argument("--host", help="address to listen on (config key server.host, default 127.0.0.1)")
-    p.add_argument("--port", help="TCP port, 0 for any free one (config key server.port, default 8000)")
-    p.add_argument("--admin-port", help="TCP port of the REST admin API (config key admin.port, default 8081)")
-    p.add_argument("--redis-url", help="the cross-instance prefix index (config key cluster.redis_url; "
-                                       "default: none, local-only)")
-    p.add_argument("--served-model-name", metavar="NAME",
-                   help="the model id the API answers to and /v1/models lists (config key "
-                        "server.served_model_name; default: the preset's name or the model directory's name)")
-    p.add_argument("--api-key", metavar="KEY",
-                   help="a bearer token every /v1/* request must carry (config key server.api_key; also "
-                        "KVSTORE_SERVER_API_KEY, which keeps it out of `ps`)")
-    p.add_argument("--max-model-len", metavar="N",
-                   help="the longest sequence, prompt and output, in tokens (config key max_seq_len, default 8192)")
-    add_config_options(p)
-    p.set_defaults(func=_run_serve)
-
-
-# the flags of `kvstore serve` that set a config key: (argument dest, config key)
-SERVE_FLAGS = (("model", "model"), ("host", "server.host"), ("port", "server.port"), ("admin_port", "admin.port"),
-               ("redis_url", "cluster.redis_url"), ("served_model_name", "server.served_model_name"),
-               ("api_key", "server.api_key"), ("max_model_len", "max_seq_len"))
-
-
-def serve_config(args: argparse.Namespace):
-    """The config of `kvstore serve`: its flags are --set items. Raises ConfigError."""
-    flags = [f"{key}={getattr(args, dest)}" for dest, key in SERVE_FLAGS if getattr(args, dest) is not None]
-    return config_from_args(argparse.Namespace(**{**vars(args), "set": [*args.set, *flags]}))
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
-
-    config = serve_config(args)
-    from kvstore.server.node import run_serve
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    def ready(api: str, admin: str) -> None:
-        name = config.server.served_model_name or config.model
-        print(f"kvstore serve: {name} ready on {api} (OpenAI API: /v1/completions, "
-              f"/v1/chat/completions); admin API on {admin}", flush=True)
-    asyncio.run(run_serve(config, ready))
-    return 0
 
 
 def _add_module_command(subparsers, module_name: str, name: str | None = None) -> None:
@@ -244,19 +151,24 @@ def _unavailable(name: str, why: str) -> int:
     return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The store's commands, in the order `kvstore --help` lists them: a module with add_parser (or
+# (module, command name)), or a function registering the command. An application adds its own (app.cli).
+COMMANDS: tuple = ("kvstore.tools.plan", add_config_command, "kvstore.tools.fsck", "kvstore.tools.bench",
+                   "kvstore.tools.inspect", "kvstore.sidecar.command")
+
+
+def build_parser(commands: tuple = COMMANDS, config_root: type[Config] = Config) -> argparse.ArgumentParser:
+    """The `kvstore` command line with `commands`, whose config is the tree `config_root`."""
     parser = CommandParser(prog="kvstore", description=DESCRIPTION, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
+    parser.set_defaults(config_root=config_root)
     subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
-    _add_module_command(subparsers, "kvstore.plan")
-    _add_config_command(subparsers)
-    _add_module_command(subparsers, "kvstore.fsck")
-    _add_module_command(subparsers, "kvstore.bench")
-    _add_serve_command(subparsers)
-    _add_module_command(subparsers, "kvstore.inspect")
-    _add_module_command(subparsers, "kvstore.server.sidecar")
-    _add_module_command(subparsers, "kvstore.job.cli", "job")
+    for command in commands:
+        if callable(command):
+            command(subparsers)
+        else:
+            _add_module_command(subparsers, *(command if isinstance(command, tuple) else (command,)))
     return parser
 
 
@@ -265,10 +177,10 @@ def _error(message: str) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, commands: tuple = COMMANDS, config_root: type[Config] = Config) -> int:
     """Run the `kvstore` command; returns the exit code."""
     try:
-        args = parse_command_line(build_parser(), argv)
+        args = parse_command_line(build_parser(commands, config_root), argv)
     except SystemExit as exc:  # argparse: --help and --version (0), usage errors (2)
         return exc.code if isinstance(exc.code, int) else 2
     except KVStoreError as exc:

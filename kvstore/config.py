@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import yaml
 
@@ -154,67 +154,15 @@ class DaemonConfig:
     interval_s: float = opt(0.05, _float, "seconds > 0", lambda v: v > 0)
 
 
-def _quotas(v: Any) -> dict[str, int]:
-    """tenant -> hot pages: a YAML mapping, or 'a=100,b=50' from the environment or --set."""
-    if isinstance(v, str):
-        v = dict(item.split("=", 1) for item in v.split(",") if item.strip()) if v.strip() else {}
-    if not isinstance(v, dict):
-        raise ValueError
-    return {str(k).strip(): _int(n) for k, n in v.items()}
-
-
-ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-SCHEDULER_POLICIES = ("fcfs", "priority", "preemptive")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    dtype: str = opt("auto", _str, f"one of {', '.join(ENGINE_DTYPES)} (auto: bfloat16 on GPU, float32 on CPU)",
-                     lambda v: v in ENGINE_DTYPES)
-    attention_backend: str = opt("auto", _str, "auto, flashinfer, sdpa or torch",
-                                 lambda v: v in ("auto", "flashinfer", "sdpa", "torch"))
-    prepack_weights: str = opt("auto", _str, "auto, true or false (true needs the CPU and float32 or bfloat16)",
-                               lambda v: v in ("auto", "true", "false"))
-    max_batch_tokens: int = opt(8192, _int, "an integer >= 1", lambda v: v >= 1)
-    prefill_chunk_tokens: int = opt(512, _int, "an integer >= 1", lambda v: v >= 1)
-    prefill_concurrency: int = opt(4, _int, "an integer >= 1", lambda v: v >= 1)
-    decode_concurrency: int = opt(64, _int, "an integer >= 1", lambda v: v >= 1)
-    share_across_tenants: bool = opt(False, _bool, "true or false")
-    seed: int = opt(0, _int, "an integer (seeds the random weights of presets)")
-    check_invariants: bool = opt(False, _bool, "true or false (debug: check the scheduler's and store's "
-                                 "invariants after every step; slow)")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    policy: str = opt("fcfs", _str, f"one of {', '.join(SCHEDULER_POLICIES)}", lambda v: v in SCHEDULER_POLICIES)
-    max_queue_depth: int = opt(512, _int, "an integer >= 1", lambda v: v >= 1)
-    tenant_quota_pages: int = opt(0, _int, "an integer >= 0 (0: no quota)", lambda v: v >= 0)
-    tenant_quotas: dict = opt("", _quotas, "a mapping tenant -> hot pages (or 'a=100,b=50')",
-                              lambda v: all(n >= 0 for n in v.values()))
-
-
-def _api_keys(v: Any) -> dict[str, str]:
-    """API key -> tenant: a YAML mapping, or 'KEY1=alice,KEY2=bob' from the environment or --set."""
-    if isinstance(v, str):
-        v = dict(item.split("=", 1) for item in v.split(",") if item.strip()) if v.strip() else {}
-    if not isinstance(v, dict) or not all(isinstance(t, str) or t is None for t in v.values()):
-        raise ValueError
-    return {str(k).strip(): (t or "").strip() for k, t in v.items()}
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = opt("127.0.0.1", _str, "an address to bind")
-    port: int = opt(8000, _int, "a port number in 0..65535", lambda v: 0 <= v <= 65535)
-    served_model_name: str = opt("", _str, "the model id the API answers to (empty: the preset's name or the "
-                                 "model directory's name)")
-    api_key: str = opt("", _str, "a bearer token every /v1/* request must carry (tenant: the default one; "
-                       "empty: no key)")
-    api_keys: dict = opt("", _api_keys, "a mapping API key -> tenant (or 'KEY1=alice,KEY2=bob'): a request's "
-                         "tenant is its key's", lambda v: all(k for k in v))
-    trust_tenant_header: bool = opt(False, _bool, "true or false (true: the X-Tenant header chooses the tenant, "
-                                    "for a gateway that authenticates users itself)")
+def mapping(parse_value: Callable[[Any], Any]) -> Callable[[Any], dict]:
+    """A field kind: a YAML mapping, or 'a=1,b=2' from the environment or --set; values parsed."""
+    def parse(v: Any) -> dict:
+        if isinstance(v, str):
+            v = dict(item.split("=", 1) for item in v.split(",") if item.strip()) if v.strip() else {}
+        if not isinstance(v, dict):
+            raise ValueError
+        return {str(k).strip(): parse_value(n) for k, n in v.items()}
+    return parse
 
 
 @dataclass(frozen=True)
@@ -257,11 +205,13 @@ class ClusterConfig:
     flush_interval_s: float = opt(0.05, _float, "seconds > 0", lambda v: v > 0)
 
 
-SECRET_KEYS = ("admin.token", "cluster.token", "cluster.redis_url", "server.api_key", "server.api_keys")
-
-
 @dataclass(frozen=True)
 class Config:
+    """The store's config tree. An application extends it with sections of its own (a subclass
+    adding fields, e.g. engine.config.Config): one file, one precedence for all of them."""
+
+    SECRET_KEYS: ClassVar[tuple[str, ...]] = ("admin.token", "cluster.token", "cluster.redis_url")
+
     data_dir: str = opt("./kvstore-data", _str, "a directory")
     model: str = opt("tiny", _str, "a preset name or a Hugging Face model directory")
     kv_dtype: str = opt("auto", _str, f"auto or one of {', '.join(DTYPES)}",
@@ -279,9 +229,6 @@ class Config:
     cold: ColdConfig = field(default_factory=ColdConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -308,7 +255,7 @@ class Config:
     def to_dict(self, redact: bool = False) -> dict:
         out = dataclasses.asdict(self)
         if redact:
-            for path in SECRET_KEYS:
+            for path in self.SECRET_KEYS:
                 section, key = path.split(".")
                 value = out[section][key]
                 if isinstance(value, dict):
@@ -366,7 +313,9 @@ def env_name(path: str) -> str:
     return ENV_PREFIX + path.replace(".", "_").upper()
 
 
-ENV_VARS: dict[str, str] = {env_name(p): p for p in key_paths()}
+def env_vars(root: type[Config] = Config) -> dict[str, str]:
+    """Environment variable -> key path, for every key of the tree `root`."""
+    return {env_name(p): p for p in key_paths(root)}
 
 
 def _build(cls, data: Mapping[str, Any], prefix: str = ""):
@@ -438,25 +387,26 @@ def _read_file(path: str | Path) -> dict:
 
 
 def load_config(file: str | Path | None = None, env: Mapping[str, str] | None = None,
-                overrides: Mapping[str, Any] | None = None) -> Config:
-    """Build the config: defaults < file < environment < overrides (dotted key -> value)."""
+                overrides: Mapping[str, Any] | None = None, root: type[Config] = Config) -> Config:
+    """Build the config tree `root`: defaults < file < environment < overrides (dotted key -> value)."""
     env = os.environ if env is None else env
     file = file or env.get(ENV_CONFIG_FILE)
     tree: dict = _read_file(file) if file else {}
-    known = set(ENV_VARS) | {ENV_CONFIG_FILE} | set(EXTRA_ENV_VARS)
+    variables = env_vars(root)
+    known = set(variables) | {ENV_CONFIG_FILE} | set(EXTRA_ENV_VARS)
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
         if name not in known:
             raise ConfigError(name, value, "unknown environment variable; known: " + ", ".join(sorted(known)))
-        if name in ENV_VARS:
-            _set_path(tree, ENV_VARS[name], value)
-    paths = key_paths()
+        if name in variables:
+            _set_path(tree, variables[name], value)
+    paths = key_paths(root)
     for path, value in (overrides or {}).items():
         if path not in paths:
             raise ConfigError(path, value, "unknown key; see `kvstore config --keys` or etc/kvstore.yaml")
         _set_path(tree, path, value)
-    cfg = _build(Config, tree)
+    cfg = _build(root, tree)
     _check_relations(cfg)
     return cfg
 
@@ -474,3 +424,31 @@ def parse_set(items: list[str]) -> dict[str, str]:
 
 # Variables with the prefix that are not config keys (declared once, here).
 EXTRA_ENV_VARS: dict[str, str] = {}
+
+
+# The options of the commands that read the config.
+def add_config_options(parser) -> None:
+    """The options of every command that reads the config (an argparse parser)."""
+    group = parser.add_argument_group("config (defaults < file < KVSTORE_* env < these flags)")
+    group.add_argument("--config", metavar="FILE",
+                       help="YAML config file (default: $KVSTORE_CONFIG, else built-in defaults)")
+    group.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                       help="set one config key, e.g. --set hot.pool=2GiB (repeatable)")
+    group.add_argument("--data-dir", metavar="DIR", help="the data directory (config key data_dir)")
+
+
+def config_from_args(args) -> Config:
+    """The effective config of a command's parsed arguments (argparse), of the tree the command
+    line was built for (`args.config_root`, default the store's). Raises ConfigError."""
+    overrides = parse_set(getattr(args, "set", None) or [])
+    if getattr(args, "data_dir", None):
+        overrides["data_dir"] = args.data_dir
+    return load_config(getattr(args, "config", None), os.environ, overrides, getattr(args, "config_root", Config))
+
+
+def reference_rows(root: type[Config] = Config) -> list[tuple[str, str, str, str]]:
+    """(key, environment variable, default, allowed) for every config key of the tree `root`."""
+    def show(default) -> str:
+        return str(default).lower() if isinstance(default, bool) else str(default)
+
+    return [(path, env_name(path), show(f.default), f.metadata["allowed"]) for path, f in key_paths(root).items()]

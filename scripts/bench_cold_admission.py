@@ -136,7 +136,7 @@ class Server:
         env["OMP_NUM_THREADS"] = str(threads)
         self.out, self.log = data.parent / "serve.out", data.parent / "serve.log"
         with open(self.out, "wb") as stdout, open(self.log, "wb") as stderr:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--model", model, "--port", "0",
+            self.proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", model, "--port", "0",
                                           "--admin-port", "0", "--data-dir", str(data), *sets],
                                          stdout=stdout, stderr=stderr, env=env, cwd=data.parent)
         self.url = self.admin = ""

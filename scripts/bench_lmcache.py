@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from kvstore.bench import chained_headers, drop_file_cache  # noqa: E402
+from kvstore.tools.bench import chained_headers, drop_file_cache  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from kvstore.record import PREFIX_BYTES  # noqa: E402
 from kvstore.spec import KVSpec  # noqa: E402

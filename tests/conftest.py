@@ -38,8 +38,8 @@ def terminate(proc: subprocess.Popen, grace_s: float = 30) -> None:
 
 @pytest.fixture
 def kvstore_cli():
-    """Run `python -m kvstore ARGS...` in a child process; returns the CompletedProcess."""
+    """Run the `kvstore` command (`python -m app ARGS...`) in a child process; returns the CompletedProcess."""
     def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
-        return subprocess.run([sys.executable, "-m", "kvstore", *map(str, args)], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "app", *map(str, args)], capture_output=True,
                               text=True, env=clean_env(**(env or {})), cwd=cwd or REPO, timeout=120)
     return run

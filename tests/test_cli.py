@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvstore.cli import main
+from app.cli import main
 
 COMMANDS = ["plan", "config", "fsck", "bench", "serve", "inspect", "sidecar", "job"]
 
@@ -69,14 +69,14 @@ def test_a_command_module_that_cannot_be_imported_is_reported(monkeypatch, capsy
     real = kvstore.cli.importlib.import_module
 
     def import_module(name):
-        if name == "kvstore.bench":
+        if name == "kvstore.tools.bench":
             raise ImportError("No module named 'lmdb'")
         return real(name)
 
     monkeypatch.setattr(kvstore.cli.importlib, "import_module", import_module)
     assert main(["bench", "tiers", "--pages", "1"]) == 2
     err = capsys.readouterr().err
-    assert err == "kvstore bench: unavailable in this build (kvstore.bench cannot be imported: " \
+    assert err == "kvstore bench: unavailable in this build (kvstore.tools.bench cannot be imported: " \
                   "No module named 'lmdb')\n"
 
 
@@ -174,7 +174,8 @@ def test_a_commands_options_go_before_or_after_its_action():
 
 
 def test_serve_flags_set_config_keys(monkeypatch):
-    from kvstore.cli import build_parser, serve_config
+    from app.cli import build_parser
+    from app.serve import serve_config
 
     for name in [n for n in os.environ if n.startswith("KVSTORE_")]:
         monkeypatch.delenv(name)
@@ -194,7 +195,7 @@ def test_serve_bad_max_model_len_is_one_line(kvstore_cli):
 
 
 def test_serve_help_names_the_api():
-    from kvstore.cli import SERVE_DESCRIPTION
+    from app.serve import SERVE_DESCRIPTION
 
     for endpoint in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
                      "/version", "/health", "/metrics", "server.api_keys", "server.trust_tenant_header"):

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore import fsck
+from kvstore.tools import fsck
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cold_crash_writer as writer  # noqa: E402  (the child's page recipe)

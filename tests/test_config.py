@@ -7,7 +7,9 @@ import subprocess
 import pytest
 from conftest import REPO
 
-from kvstore.config import Config, ConfigError, env_name, key_paths, load_config, parse_set
+from engine.config import Config, key_paths, load_config
+from kvstore import config as store_config
+from kvstore.config import ConfigError, env_name, parse_set
 
 
 def test_defaults_load_without_file_or_env():
@@ -47,6 +49,18 @@ def test_example_file_names_every_key():
     text = (REPO / "etc" / "kvstore.yaml").read_text()
     for path in key_paths():
         assert f"{path.rsplit('.', 1)[-1]}:" in text, path
+
+
+def test_the_store_alone_loads_its_own_tree():
+    """The store's tree (kvstore.config) has no engine sections; the engine's extends it, so one
+    file and one precedence serve both."""
+    store = store_config.load_config(env={})
+    assert not hasattr(store, "engine") and isinstance(load_config(env={}), store_config.Config)
+    assert set(store_config.key_paths()) < set(key_paths())
+    with pytest.raises(ConfigError, match="engine.dtype"):
+        store_config.load_config(env={}, overrides={"engine.dtype": "float32"})
+    with pytest.raises(ConfigError, match="KVSTORE_SERVER_PORT"):
+        store_config.load_config(env={"KVSTORE_SERVER_PORT": "1"})
 
 
 def test_env_names_are_derived_from_paths():
@@ -149,8 +163,6 @@ def test_cli_bad_config_file_is_one_line(kvstore_cli, tmp_path):
 
 def test_readme_config_reference_is_current():
     """README.md carries the table scripts/config_reference prints; rerun it after changing config.py."""
-    from kvstore.cli import reference_rows
-
     readme = (REPO / "README.md").read_text()
-    for key, env, default, allowed in reference_rows():
+    for key, env, default, allowed in store_config.reference_rows(Config):
         assert f"| `{key}` | `{env}` | `{default}` | {allowed} |" in readme, key

@@ -103,7 +103,7 @@ def test_forged_records_with_other_tokens_namespace_or_spec_are_never_served(tmp
 
 
 def test_flipped_byte_in_cold_record_is_a_counted_miss_and_fsck_reports_it(tmp_path):
-    from kvstore import fsck
+    from kvstore.tools import fsck
     s = make_store(tmp_path)
     ns = s.namespace()
     tokens = tokens_for(6, 4)

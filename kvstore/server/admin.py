@@ -59,6 +59,7 @@ class AdminState:
     config: Config
     engine: Any
     metrics: Metrics
+    model_name: str | None = None   # the model the engine serves, as its API names it
     draining: bool = False          # set on shutdown: /readyz answers 503
     scheme: str = "http"
     started: float = field(default_factory=time.monotonic)
@@ -130,8 +131,9 @@ async def prefixes(request: web.Request) -> web.Response:
 
 
 def _namespace(state: AdminState, tenant: str):
-    # as the engine does: with share_across_tenants every tenant sees the shared namespace
-    return state.store.namespace("" if state.config.engine.share_across_tenants else tenant)
+    # as the engine names it (it may share one namespace across tenants), else the store's own
+    llm = getattr(state.engine, "llm", state.engine)
+    return llm.namespace(tenant) if hasattr(llm, "namespace") else state.store.namespace(tenant)
 
 
 def _tokenizer(engine: Any):
@@ -275,11 +277,14 @@ class AccessLogger(AbstractAccessLogger):
 
 # app and server
 def create_admin_app(store, daemon, config: Config, engine: Any = None,
-                     metrics: Metrics | None = None) -> web.Application:
+                     metrics: Metrics | None = None, model_name: str | None = None) -> web.Application:
     """The admin API over a store and its daemon; `engine` (an LLM or AsyncLLM) adds the queue to
-    the stats, text lookups (its tokenizer) and its `ready` flag to /readyz."""
+    the stats, text lookups (its tokenizer) and its `ready` flag to /readyz; `model_name` is the
+    model as its API names it (default: the engine's)."""
+    llm = getattr(engine, "llm", engine)
+    model_name = model_name or getattr(llm, "model_name", None)
     app = web.Application(client_max_size=config.admin.max_body_bytes, middlewares=[guard])
-    app[STATE] = AdminState(store, daemon, config, engine, metrics or Metrics(store, engine))
+    app[STATE] = AdminState(store, daemon, config, engine, metrics or Metrics(store, engine), model_name)
     app[REQUESTS] = check.Requests(openapi.DOCUMENT)
     add = app.router
     add.add_get("/healthz", healthz)

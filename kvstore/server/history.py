@@ -171,7 +171,7 @@ def add_history(app: web.Application, state) -> History:
     async def serve(request: web.Request) -> web.Response:
         cluster = request.app.get(CLUSTER)
         instance = cluster.index.id if cluster is not None else config.cluster.instance_id or socket.gethostname()
-        server = {"model": (config.server.served_model_name or config.model) if state.engine is not None else None, "instance": instance,
+        server = {"model": state.model_name, "instance": instance,
                   "version": __version__, "uptime_s": round(time.monotonic() - state.started, 3),
                   "default_namespace": state.store.namespace("").digest.hex()}
         watermarks = {t: {"low": getattr(config, t).low_watermark, "high": getattr(config, t).high_watermark}

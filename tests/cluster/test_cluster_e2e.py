@@ -28,7 +28,7 @@ async def start_instance(tmp_path: Path, name: str, redis_url: str, *extra: str)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvstore", "serve", "--model", "tiny", "--port", "0", "--admin-port", "0",
+        sys.executable, "-m", "app", "serve", "--model", "tiny", "--port", "0", "--admin-port", "0",
         "--data-dir", str(tmp_path / name), "--redis-url", redis_url,
         "--set", f"cluster.instance_id={name}", "--set", "cluster.token=shared-secret",
         "--set", "cluster.fetch_policy=always", "--set", "cluster.heartbeat_s=0.3", "--set", "cluster.ttl_s=1.5",
@@ -115,7 +115,7 @@ async def test_peer_hit_is_exact_and_prefills_only_the_suffix(tmp_path, redis_se
 async def inspect(inst: Instance, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env["PYTHONPATH"] = REPO
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvstore", "inspect", "--url", inst.admin,
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "app", "inspect", "--url", inst.admin,
                                                 *args, env=env, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE)
     out, err = await proc.communicate()
@@ -179,7 +179,7 @@ async def test_wrong_redis_password_is_a_clear_error(tmp_path):
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         env["PYTHONPATH"] = REPO
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvstore", "serve", "--port", "0", "--admin-port", "0",
+            sys.executable, "-m", "app", "serve", "--port", "0", "--admin-port", "0",
             "--data-dir", str(tmp_path / "d"), "--redis-url", f"redis://127.0.0.1:{server.port}/0",
             cwd=tmp_path, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await asyncio.wait_for(proc.communicate(), 120)

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestServer
 
 from engine import LLM, AsyncLLM, SamplingParams
 from engine.api import create_app, warm_up
-from kvstore.config import load_config
+from engine.config import load_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -386,7 +386,7 @@ async def test_body_over_the_limit_is_413(small_api):
 async def run_kvstore(*args: str, cwd) -> asyncio.subprocess.Process:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
-    return await asyncio.create_subprocess_exec(sys.executable, "-m", "kvstore", *args, cwd=cwd, env=env,
+    return await asyncio.create_subprocess_exec(sys.executable, "-m", "app", *args, cwd=cwd, env=env,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
 
 

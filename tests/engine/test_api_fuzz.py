@@ -22,7 +22,7 @@ from engine import AsyncLLM
 from httputil import KeptAlive
 from engine.api import create_app, warm_up
 from engine.openai_models import ROLES
-from kvstore.config import ServerConfig
+from engine.config import ServerConfig
 from test_api import make_llm
 
 CONTEXT = 64                # max_seq_len: a chat request's default max_tokens stays short

@@ -40,7 +40,7 @@ class Serve:
 
     def __init__(self, tmp_path, *args: str, env: dict | None = None):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", "--host", "127.0.0.1", "--port", "0", "--admin-port", "0",
+            [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", "0", "--admin-port", "0",
              "--data-dir", str(tmp_path / "data"), "--set", "hot.pool=8MiB", "--set", "warm.bytes=8MiB", *args],
             cwd=tmp_path, env=clean_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], 180)
@@ -340,7 +340,7 @@ def test_a_busy_port_fails_before_the_model_loads(tmp_path, model_dir, flag, key
         port = str(sock.getsockname()[1])
         args = ["--port", "0", "--admin-port", "0"]
         args[args.index(flag) + 1] = port
-        proc = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--model", str(model_dir), *args,
+        proc = subprocess.run([sys.executable, "-m", "app", "serve", "--model", str(model_dir), *args,
                                "--data-dir", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
                               timeout=120, env=clean_env())
     assert proc.returncode == 2 and proc.stdout == ""

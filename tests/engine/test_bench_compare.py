@@ -148,7 +148,7 @@ def test_bad_option_exits_2(tmp_path, flag, value):
 # (about 30 s: vLLM's start-up, eager mode)
 @pytest.mark.slow
 def test_vllm_worker(tmp_path):
-    from engine.bench_compare import VLLMWorker, WorkerError, default_vllm_venv
+    from app.bench.compare import VLLMWorker, WorkerError, default_vllm_venv
 
     venv = Path(default_vllm_venv())
     if not (venv / "bin" / "python").exists():

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 from engine import LLM
 from engine.api import create_app, warm_up
 from engine.llm import AsyncLLM
-from kvstore.config import load_config
+from engine.config import load_config
 from kvstore.keys import page_keys
 from kvstore.tiers.disk import DiskTier
 

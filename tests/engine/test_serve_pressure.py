@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kvstore.config import load_config
+from engine.config import load_config
 
 from conftest import clean_env, terminate
 
@@ -90,7 +90,7 @@ def start_serve(tmp: Path) -> Server:
     sets = [a for k, v in SERVE_SETTINGS.items() for a in ("--set", f"{k}={v}")]
     out, log = tmp / "serve.out", tmp / "serve.log"
     with open(out, "wb") as stdout, open(log, "wb") as stderr:     # files: a full pipe would block the server
-        proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--model", "tiny", "--port", "0",
+        proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", "tiny", "--port", "0",
                                  "--admin-port", "0", "--data-dir", str(tmp / "data"), *sets],
                                 stdout=stdout, stderr=stderr, env=clean_env(OMP_NUM_THREADS=str(THREADS)), cwd=tmp)
     deadline = time.monotonic() + READY_TIMEOUT_S

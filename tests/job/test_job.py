@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kvstore.job.cli import main
-from kvstore.job.runner import PROMPT_SUFFIX
+from app.job.cli import main
+from app.job.runner import PROMPT_SUFFIX
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = ("cache page token prefix tier warm cold hot memory disk model layer head value key query "
@@ -180,7 +180,7 @@ def _serve(tmp_path: Path) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve", "--model", "tiny", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", "tiny", "--port", "0",
                              "--data-dir", str(tmp_path / "serve-data"), "--set", "hot.pool=4MiB",
                              "--set", "warm.bytes=4MiB", "--set", "server.trust_tenant_header=true"],
                             cwd=tmp_path, env=env, text=True,

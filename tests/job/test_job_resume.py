@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.job.cli import main
-from kvstore.job.io import AnswerLog
+from app.job.cli import main
+from app.job.io import AnswerLog
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
@@ -47,7 +47,7 @@ def start(inp: Path, out: Path, data: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.Popen([sys.executable, "-m", "kvstore.job.cli", "run", str(inp), "--out", str(out),
+    return subprocess.Popen([sys.executable, "-m", "app.job.cli", "run", str(inp), "--out", str(out),
                              "--data-dir", str(data), *OPTIONS], cwd=REPO, env=env, text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

@@ -19,7 +19,7 @@ import termios
 import time
 from pathlib import Path
 
-from kvstore.job.progress import Progress
+from app.job.progress import Progress
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -142,7 +142,7 @@ def write_job(path: Path) -> None:
 
 
 def job_command(tmp_path: Path, name: str) -> list[str]:
-    return [sys.executable, "-m", "kvstore.job.cli", "run", str(tmp_path / "in.jsonl"),
+    return [sys.executable, "-m", "app.job.cli", "run", str(tmp_path / "in.jsonl"),
             "--out", str(tmp_path / name / "ANSWERS.jsonl"), "--data-dir", str(tmp_path / f"{name}-data"),
             "--max-tokens", "8", "--set", "hot.device=cpu", "--set", "warm.bytes=4MiB"]
 

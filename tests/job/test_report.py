@@ -13,9 +13,9 @@ import torch
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
-from kvstore.job.cli import main
-from kvstore.job.io import read_stats
-from kvstore.job.report import (MEASURED_COLOR, PLOTS, TIER_COLORS, WITHOUT_CACHE_COLOR, ReportInput, latest,
+from app.job.cli import main
+from app.job.io import read_stats
+from app.job.report import (MEASURED_COLOR, PLOTS, TIER_COLORS, WITHOUT_CACHE_COLOR, ReportInput, latest,
                                 plot_occupancy, plot_time_saved, plot_ttft, session_offsets, write_report)
 
 OPTIONS = ["--max-tokens", "6", "--set", "hot.device=cpu", "--set", "hot.pool=512KiB", "--set", "warm.bytes=4MiB",

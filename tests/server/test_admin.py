@@ -709,7 +709,7 @@ SECRET_TEXT = "zebra-quartz-7731 confidential prompt " * 3
 @pytest.fixture
 def llm(tmp_path):
     from engine import LLM
-    from kvstore.config import load_config
+    from engine.config import load_config
     config = load_config(None, {}, {"data_dir": str(tmp_path / "llm"), "hot.device": "cpu", "hot.pool": "8MiB",
                                     "warm.bytes": "8MiB"})
     llm = LLM("tiny", config=config)

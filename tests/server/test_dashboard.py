@@ -171,7 +171,7 @@ async def test_dashboard_screenshot(tmp_path):
 
 async def test_dashboard_draws_the_history(tmp_path):
     from engine import LLM, AsyncLLM, SamplingParams
-    from kvstore.config import load_config
+    from engine.config import load_config
 
     config = load_config(None, {}, {"data_dir": str(tmp_path / "llm"), "hot.device": "cpu", "hot.pool": "8MiB",
                                     "warm.bytes": "8MiB"})

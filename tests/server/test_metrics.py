@@ -150,7 +150,7 @@ def test_each_metrics_has_its_own_registry(tmp_path):
 
 async def test_queue_gauges_follow_the_engine(tmp_path):
     from engine import LLM
-    from kvstore.config import load_config
+    from engine.config import load_config
     config = load_config(None, {}, {"data_dir": str(tmp_path / "llm"), "hot.device": "cpu", "hot.pool": "8MiB",
                                     "warm.bytes": "8MiB"})
     llm = LLM("tiny", config=config)
@@ -178,7 +178,7 @@ PROMPT = "The quarterly report shows revenue growth across all regions. " * 4   
 
 async def test_serve_counts_prompt_and_cached_tokens(tmp_path):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvstore", "serve", "--model", "tiny", "--port", "0", "--admin-port", "0",
+        sys.executable, "-m", "app", "serve", "--model", "tiny", "--port", "0", "--admin-port", "0",
         "--data-dir", str(tmp_path / "data"), "--set", "hot.pool=8MiB", cwd=tmp_path, env=clean_env(),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:

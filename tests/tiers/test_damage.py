@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore import fsck
+from kvstore.tools import fsck
 from kvstore.errors import DamagedStore
 from kvstore.keys import Namespace
 from kvstore.spec import KVSpec

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from kvstore.client import SidecarClient, SidecarError, SidecarUnavailable
+from kvstore.sidecar.client import SidecarClient, SidecarError, SidecarUnavailable
 from kvstore.spec import KVSpec
 
 T = TypeVar("T")

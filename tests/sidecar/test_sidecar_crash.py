@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import REPO, clean_env
-from kvstore.client import SidecarClient
+from kvstore.sidecar.client import SidecarClient
 from kvstore.datadir import DataDir
 from kvstore.spec import KVSpec
 
@@ -47,7 +47,7 @@ class Sidecar:
 
     def __init__(self, data_dir: Path, log: Path, **overrides):
         self.data_dir, self.socket, self.log_path = data_dir, data_dir / "kvstore.sock", log
-        args = [sys.executable, "-m", "kvstore.server.sidecar", "--data-dir", str(data_dir), "--admin-port", "0"]
+        args = [sys.executable, "-m", "kvstore", "sidecar", "--data-dir", str(data_dir), "--admin-port", "0"]
         for key, value in {**BASE, **overrides}.items():
             args += ["--set", f"{key}={value}"]
         with open(log, "a") as err:

@@ -114,7 +114,7 @@ def _default_url(config) -> str:
 
 
 def client_from_args(args: argparse.Namespace) -> AdminClient:
-    from kvstore.cli import config_from_args
+    from kvstore.config import config_from_args
 
     config = config_from_args(args)
     cafile = args.cacert or config.admin.tls_cert or None
@@ -251,7 +251,7 @@ DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from kvstore.cli import add_config_options
+    from kvstore.config import add_config_options
 
     p = subparsers.add_parser("inspect", help="show and steer what a running store holds (its REST admin API)",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -298,24 +298,3 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("instance", help="the instance id, as `peers` lists it")
     p.set_defaults(func=run)
     return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`kvstore inspect ARGS` on its own (the `kvstore` command registers add_parser)."""
-    from kvstore.cli import CommandParser, parse_command_line
-
-    parser = CommandParser(prog="kvstore")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    try:
-        args = parse_command_line(parser, ["inspect", *(sys.argv[1:] if argv is None else argv)])
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 2
-    try:
-        return run(args)
-    except KVStoreError as exc:
-        print(f"kvstore: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

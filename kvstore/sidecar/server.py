@@ -1,5 +1,5 @@
-"""SidecarServer: the sidecar's Unix socket server. It serves the wire protocol (kvstore.protocol)
-to clients in other processes (kvstore.client), one Session (its leases) per connection, and
+"""SidecarServer: the sidecar's Unix socket server. It serves the wire protocol (kvstore.sidecar.protocol)
+to clients in other processes (kvstore.sidecar.client), one Session (its leases) per connection, and
 runs the store's methods in the daemon's worker threads.
 
 Page bytes do not cross the socket: the warm tier lives in a POSIX shared-memory segment that
@@ -11,7 +11,7 @@ sidecar.max_frame_bytes, not msgpack, not a map, unknown op, wrong field types) 
 reply, then that connection is closed; the others are served on.
 
 Draining (SIGTERM): stop accepting, finish the requests in flight, close every connection (their
-leases end), stop the daemon; the command (kvstore.server.sidecar) then closes the store.
+leases end), stop the daemon; the command (kvstore.sidecar.command) then closes the store.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from kvstore.config import Config
 from kvstore.daemon import Daemon
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import Namespace
-from kvstore.protocol import (SPEC_FIELDS, ProtocolError, decode_request, encode_frame, error_frame, get_count,
+from kvstore.sidecar.protocol import (SPEC_FIELDS, ProtocolError, decode_request, encode_frame, error_frame, get_count,
                               get_field, get_ints, get_keys, get_tokens, one_line, read_frame, spec_fields)
-from kvstore.server.session import Session
+from kvstore.sidecar.session import Session
 from kvstore.spec import KVSpec
 from kvstore.store import TieredStore
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import REPO, clean_env
-from kvstore.client import AsyncSidecarClient, SidecarClient, SidecarError, SidecarUnavailable
+from kvstore.sidecar.client import AsyncSidecarClient, SidecarClient, SidecarError, SidecarUnavailable
 from kvstore.spec import KVSpec
 
 SPEC = KVSpec(2, 2, 16, "float32", 16)   # 8 KiB pages
@@ -44,7 +44,7 @@ def pages_for(doc: int, pages: int) -> torch.Tensor:
 
 
 # What the client processes this module starts share with it.
-COMMON = "\n".join(["import sys", "import torch", "from kvstore.client import SidecarClient",
+COMMON = "\n".join(["import sys", "import torch", "from kvstore.sidecar.client import SidecarClient",
                     "from kvstore.spec import KVSpec", f"SPEC = KVSpec{astuple(SPEC)!r}", "PS = SPEC.page_size",
                     f"MODEL = {MODEL!r}", inspect.getsource(tokens_for), inspect.getsource(pages_for)])
 
@@ -55,12 +55,12 @@ HEADER = struct.Struct(">I")
 
 
 class SidecarProcess:
-    """`python -m kvstore.server.sidecar` on a data dir, ready once it prints its ready line."""
+    """`python -m kvstore sidecar` on a data dir, ready once it prints its ready line."""
 
     def __init__(self, data_dir: Path, sock_dir: Path, **overrides):
         self.data_dir, self.socket = data_dir, sock_dir / "kv.sock"
         self.log_path = data_dir / "sidecar.log"
-        args = [sys.executable, "-m", "kvstore.server.sidecar", "--data-dir", str(data_dir),
+        args = [sys.executable, "-m", "kvstore", "sidecar", "--data-dir", str(data_dir),
                 "--socket", str(self.socket), "--admin-port", "0"]
         for key, value in {**BASE, **overrides}.items():
             args += ["--set", f"{key}={value}"]
@@ -427,7 +427,7 @@ def test_socket_file_stale_live_and_private(spawn, tmp_path, sock_dir):
     stale.close()
     sc = spawn()
     assert stat.S_IMODE(os.stat(sc.socket).st_mode) == 0o600
-    second = subprocess.run([sys.executable, "-m", "kvstore.server.sidecar", "--data-dir", str(tmp_path / "other"),
+    second = subprocess.run([sys.executable, "-m", "kvstore", "sidecar", "--data-dir", str(tmp_path / "other"),
                              "--socket", str(sc.socket), "--admin-port", "0"],
                             capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=60)
     assert second.returncode == 2

@@ -413,15 +413,3 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     t.set_defaults(func=run_tiers)
     return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvstore.bench ...`: the `kvstore bench` command on its own."""
-    from kvstore.cli import main as kvstore_main
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return kvstore_main(argv if argv[:1] == ["bench"] else ["bench", *argv])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

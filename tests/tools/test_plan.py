@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.plan import format_plan, parse_params, plan
+from kvstore.tools.plan import format_plan, parse_params, plan
 from kvstore.shapes import PRESETS
 
 GIB, MIB = 1 << 30, 1 << 20

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO, clean_env
-from kvstore import inspect
+from kvstore.cli import main as kvstore_main
 from kvstore.keys import page_keys
 from storeutil import SPEC, tokens_for
 
@@ -19,6 +19,10 @@ sys.path.insert(0, str(REPO / "tests" / "server"))
 from test_admin import TOKEN, running_admin  # noqa: E402
 
 PS = SPEC.page_size
+
+
+def inspect_main(argv: list[str]) -> int:
+    return kvstore_main(["inspect", *argv])
 
 
 @pytest.fixture
@@ -31,7 +35,7 @@ async def cli(capsys, admin, *args: str, token: str | None = TOKEN) -> tuple[int
     """Run `kvstore inspect --url URL [--token T] ARGS` in a thread (the server runs on this loop)."""
     capsys.readouterr()
     argv = ["--url", admin.url, *(["--token", token] if token else []), *args]
-    code = await asyncio.to_thread(inspect.main, argv)
+    code = await asyncio.to_thread(inspect_main, argv)
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -140,7 +144,7 @@ async def test_errors_are_one_line(admin, capsys):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     capsys.readouterr()
-    code = await asyncio.to_thread(inspect.main, ["--url", f"http://127.0.0.1:{port}", "stats"])
+    code = await asyncio.to_thread(inspect_main, ["--url", f"http://127.0.0.1:{port}", "stats"])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and len(err.splitlines()) == 1
     assert err.startswith(f"kvstore: error: cannot reach the admin API at http://127.0.0.1:{port}: ")
@@ -150,7 +154,7 @@ async def test_url_and_token_from_the_config(admin, capsys, monkeypatch):
     monkeypatch.setenv("KVSTORE_ADMIN_TOKEN", TOKEN)
     port = admin.runner.addresses[0][1]
     capsys.readouterr()
-    code = await asyncio.to_thread(inspect.main, ["--set", f"admin.port={port}", "--json", "stats"])
+    code = await asyncio.to_thread(inspect_main, ["--set", f"admin.port={port}", "--json", "stats"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert json.loads(out)["entries"] == 7
@@ -198,29 +202,29 @@ def test_options_before_or_after_the_action(action):
 async def test_options_after_the_action_against_a_server(admin, capsys):
     capsys.readouterr()
     argv = ["stats", "--json", "--url", admin.url, "--token", TOKEN]
-    code = await asyncio.to_thread(inspect.main, argv)
+    code = await asyncio.to_thread(inspect_main, argv)
     out, err = capsys.readouterr()
     assert code == 0, err
     assert json.loads(out)["entries"] == 7
     key = page_keys(admin.store.namespace(), tokens_for(1, 4), PS)[0].hex()
     for action in (["pin", key], ["unpin", key], ["evict", key, "--to", "warm"], ["flush", "cold"]):
-        code = await asyncio.to_thread(inspect.main, [*action, "--url", admin.url, "--json", "--token", TOKEN])
+        code = await asyncio.to_thread(inspect_main, [*action, "--url", admin.url, "--json", "--token", TOKEN])
         out, err = capsys.readouterr()
         assert code == 0 and err == "", (action, err)
         assert isinstance(json.loads(out), dict), action
-    code = await asyncio.to_thread(inspect.main, ["stats", "--url", admin.url, "--token", "wrong"])
+    code = await asyncio.to_thread(inspect_main, ["stats", "--url", admin.url, "--token", "wrong"])
     assert code == 2 and "(HTTP 401)" in capsys.readouterr().err
 
 
 async def test_as_a_process(admin):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvstore.inspect", "--url", admin.url, "prefixes", stdout=subprocess.PIPE,
+        sys.executable, "-m", "kvstore", "inspect", "--url", admin.url, "prefixes", stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, env=clean_env(KVSTORE_ADMIN_TOKEN=TOKEN), cwd=REPO)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     assert out.decode().startswith("LAST PAGE")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvstore.inspect", "--url", admin.url, "prefixes", stdout=subprocess.PIPE,
+        sys.executable, "-m", "kvstore", "inspect", "--url", admin.url, "prefixes", stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, env=clean_env(), cwd=REPO)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2 and b"HTTP 401" in err

@@ -1,6 +1,6 @@
 """`kvstore job run INPUT.jsonl --out ANSWERS.jsonl [--report DIR]`: a long-document QA job.
 
-Also runnable as `python -m kvstore.job.cli run ...`.
+Also runnable as `python -m app.job.cli run ...`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import sys
 import threading
 import urllib.request
 
-from kvstore.cli import add_config_options, config_from_args
+from kvstore.config import add_config_options, config_from_args
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.job.io import AnswerLog, read_input, read_stats
-from kvstore.job.progress import MODES, Progress
+from app.job.io import AnswerLog, read_input, read_stats
+from app.job.progress import MODES, Progress
 
 DESCRIPTION = """\
 Answer many questions over long documents, each document's prefix computed once.
@@ -189,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
             # the engine (and torch) load with the progress already on screen
             progress.phase("loading the engine")
             try:
-                from kvstore.job.runner import EngineRunner, HttpRunner, Settings
+                from app.job.engine_runner import EngineRunner
+                from app.job.http_runner import HttpRunner
+                from app.job.runner import Settings
             except ImportError as exc:
                 raise KVStoreError(f"the job needs the engine, which cannot be imported ({exc})") from None
             settings = Settings(args.max_tokens, args.temperature, args.seed)
@@ -226,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         return 128 + signals.signum
     log.finalize(order)
     if args.report:
-        from kvstore.job.report import ReportInput, write_report
+        from app.job.report import ReportInput, write_report
         keys = set(order)
         records = [r for r in read_stats(log.stats_path) if (str(r["id"]), int(r["question_index"])) in keys]
         status = "complete" if all(log.done(k) for k in order) else "incomplete"
@@ -247,8 +249,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`kvstore job` as a program of its own: `python -m kvstore.job.cli run ...`."""
-    from kvstore.cli import main as kvstore_main
+    """`kvstore job` as a program of its own: `python -m app.job.cli run ...`."""
+    from app.cli import main as kvstore_main
 
     return kvstore_main(["job", *(sys.argv[1:] if argv is None else argv)])
 

@@ -1,7 +1,7 @@
 """vLLM (CPU build) as a child process of `scripts/bench_engine compare`, run by the Python of
 vLLM's own venv (scripts/bootstrap_vllm); it needs only vllm and the standard library.
 
-    VENV/bin/python -I engine/bench_vllm_worker.py
+    VENV/bin/python -I app/bench/vllm_worker.py
 
 One JSON object a line on stdin, one answer a line on stdout ({"ok": true, ...} or
 {"ok": false, "error": "..."}):
@@ -15,7 +15,7 @@ One JSON object a line on stdin, one answer a line on stdout ({"ok": true, ...} 
     {"cmd": "quit"}
 
 Everything vLLM prints (its logs go to stdout by default) lands on stderr: the answers own the
-original stdout. The parent sets the threading environment (bench_compare.VLLM_ENV).
+original stdout. The parent sets the threading environment (compare.VLLM_ENV).
 """
 
 from __future__ import annotations

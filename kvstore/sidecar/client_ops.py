@@ -1,4 +1,4 @@
-"""ClientOps: what both sidecar clients (kvstore.client) share: the hello, the mapping of the
+"""ClientOps: what both sidecar clients (kvstore.sidecar.client) share: the hello, the mapping of the
 sidecar's shared-memory warm tier, and each op as a generator of requests. An op yields each
 request and receives its reply (or has the SidecarError thrown in); the blocking and the
 asyncio client only differ in how they carry the frames (step() advances an op).
@@ -17,7 +17,7 @@ from typing import Any, Generator, Sequence
 import numpy as np
 import torch
 
-from kvstore.protocol import SidecarError, SidecarUnavailable, frame_parts, spec_fields
+from kvstore.sidecar.protocol import SidecarError, SidecarUnavailable, frame_parts, spec_fields
 from kvstore.spec import KVSpec
 from kvstore.tiers.base import runs
 

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 import pytest
 
 from conftest import REPO, clean_env
-from kvstore import bench
+from kvstore.tools import bench
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.disk import DiskTier
 
@@ -59,7 +59,7 @@ def test_json_report_has_every_field(kvstore_cli, tmp_path):
 
 
 def test_module_entry_point_prints_a_table(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "kvstore.bench", "tiers", *TINY, "--dir", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "kvstore", "bench", "tiers", *TINY, "--dir", str(tmp_path)],
                        capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
     for word in ("hot_to_warm", "warm_to_hot", "warm_to_cold", "cold_to_warm", "memcpy", "file_write_fsync",

@@ -1,5 +1,5 @@
-"""The sidecar's wire protocol, shared by the server (kvstore.server.sidecar) and its clients
-(kvstore.client). Here, not under kvstore.server: a client must not import the admin server.
+"""The sidecar's wire protocol, shared by the server (kvstore.sidecar.command) and its clients
+(kvstore.sidecar.client). Here, not under kvstore.server: a client must not import the admin server.
 
 Frames: a 4-byte big-endian length, then a msgpack map {"op": ..., "id": ..., ...}. Every
 request gets one reply, {"id", "ok": true, ...} or {"id", "ok": false, "error": "one line"}.

@@ -1,10 +1,11 @@
 """The sidecar data plane (`kvstore sidecar`): the store alone, next to an inference engine in
-another process, which uses it through kvstore.client.SidecarClient.
+another process, which uses it through kvstore.sidecar.client.SidecarClient.
 
-    kvstore/protocol.py             the wire protocol: frames, ops, field checks, errors
-    kvstore/server/sidecar_server.py  SidecarServer: the Unix socket, the ops, draining
-    kvstore/server/session.py       Session: one connection's leases on warm slots
-    kvstore/server/sidecar.py       this command: config, socket file, shared memory, run
+    kvstore/sidecar/protocol.py    the wire protocol: frames, ops, field checks, errors
+    kvstore/sidecar/server.py      SidecarServer: the Unix socket, the ops, draining
+    kvstore/sidecar/session.py     Session: one connection's leases on warm slots
+    kvstore/sidecar/command.py     this command: config, socket file, shared memory, run
+    kvstore/sidecar/client.py      SidecarClient, for the engine's process (client_ops.py: its ops)
 
 Page bytes do not cross the socket: the warm tier lives in a POSIX shared-memory segment that
 the client maps too, and requests carry slot numbers. The segment is named after the data
@@ -28,15 +29,14 @@ import os
 import signal
 import socket
 import stat
-import sys
 import time
 from pathlib import Path
 
 from kvstore.config import Config, format_size
 from kvstore.datadir import make_private_dirs
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.protocol import one_line
-from kvstore.server.sidecar_server import BYTES_FRAME_BYTES, SidecarServer
+from kvstore.sidecar.protocol import one_line
+from kvstore.sidecar.server import BYTES_FRAME_BYTES, SidecarServer
 from kvstore.store import INDEX_WAIT_S, TieredStore
 from kvstore.tiers.buffers import keep_write_buffers
 
@@ -46,7 +46,7 @@ log = logging.getLogger("kvstore.sidecar")
 DESCRIPTION = """\
 Run the tiered store alone, next to an inference engine in another process: a Unix socket
 (msgpack frames) for control, page bytes through the warm tier in shared memory, which the
-client (kvstore.client.SidecarClient) maps. The REST admin API listens on admin.port.
+client (kvstore.sidecar.client.SidecarClient) maps. The REST admin API listens on admin.port.
 
 One line is printed when the sidecar is ready (after the cold tier is indexed):
   kvstore sidecar: ready on SOCKET
@@ -65,7 +65,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
-    from kvstore.cli import add_config_options
+    from kvstore.config import add_config_options
 
     p.add_argument("--socket", metavar="PATH",
                    help="the Unix socket to serve (config key sidecar.socket; a relative path is under data_dir)")
@@ -76,7 +76,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 def sidecar_config(args: argparse.Namespace) -> Config:
     """The config of `kvstore sidecar`: the flags, and the warm tier always in shared memory."""
-    from kvstore.cli import config_from_args
+    from kvstore.config import config_from_args
 
     for key, value in (("sidecar.socket", args.socket), ("admin.port", args.admin_port)):
         if value is not None:
@@ -183,20 +183,3 @@ def run(args: argparse.Namespace) -> int:
 def _log_loop_error(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     exc = context.get("exception")
     log.error("%s%s", context.get("message", "event loop error"), f": {type(exc).__name__}: {exc}" if exc else "")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvstore.server.sidecar` is `kvstore sidecar`."""
-    parser = argparse.ArgumentParser(prog="kvstore sidecar", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_options(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except KVStoreError as exc:
-        print(f"kvstore: error: {one_line(exc)}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -393,15 +393,3 @@ def _human(r: FsckReport) -> str:
     else:
         lines.append(f"{len(r.damaged)} damaged records (run with --repair to quarantine them)")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvstore.fsck ...`: the `kvstore fsck` command on its own."""
-    from kvstore.cli import main as kvstore_main
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return kvstore_main(argv if argv[:1] == ["fsck"] else ["fsck", *argv])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,7 +12,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvstore import fsck
+from kvstore.tools import fsck
 from kvstore.spec import KVSpec
 from kvstore.tiers.disk import PAGES_DB, QUARANTINE_DB, DiskTier
 from storeutil import record_chain
@@ -142,7 +142,7 @@ def test_check_refuses_a_store_open_in_this_process(store):
 
 def _module(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", "kvstore.fsck", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvstore", "fsck", *args], capture_output=True, text=True,
                           env=env, cwd=cwd, timeout=120)
 
 
@@ -152,7 +152,7 @@ def test_python_dash_m(store, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ok"] == 12
     flip_payload_byte(path, items[0][0].key)
-    assert _module("fsck", "--path", str(path), cwd=tmp_path).returncode == 1
+    assert _module("--path", str(path), cwd=tmp_path).returncode == 1
     proc = _module(cwd=tmp_path)                              # ./kvstore-data/cold does not exist here
     assert proc.returncode == 2
     assert proc.stderr.startswith("kvstore fsck: error: ") and proc.stderr.count("\n") == 1

@@ -32,8 +32,8 @@ from typing import Any, Sequence
 
 import torch
 
-from kvstore.client_ops import ClientOps, Lease, Lookup, Op, map_segment, populate_mapping, step
-from kvstore.protocol import HEADER, SidecarError, SidecarUnavailable, decode_reply
+from kvstore.sidecar.client_ops import ClientOps, Lease, Lookup, Op, map_segment, populate_mapping, step
+from kvstore.sidecar.protocol import HEADER, SidecarError, SidecarUnavailable, decode_reply
 from kvstore.spec import KVSpec
 
 __all__ = ["AsyncSidecarClient", "Lease", "Lookup", "SidecarClient", "SidecarError", "SidecarUnavailable",

