@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import shutil
 import sys
 from typing import Callable
 
@@ -144,3 +145,10 @@ def _common(p: argparse.ArgumentParser, model: str = "small") -> None:
     p.add_argument("--dir", help="parent of the temporary data directory (default: the system temp dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
+
+
+def discard(llm, workdir: str) -> None:
+    """A benchmark's engine and working directory, gone (nothing persisted)."""
+    if llm is not None:
+        llm.store.close(persist=False)
+    shutil.rmtree(workdir, ignore_errors=True)

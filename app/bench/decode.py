@@ -8,12 +8,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import shutil
 import tempfile
 import time
 
-from app.bench.common import (MiB, _backend_name, _positive, _progress, _sig, _spec, _sync, hf_generate, hf_model,
-                              make_llm, synthetic, token_pool)
+from app.bench.common import (MiB, _backend_name, discard, hf_generate, hf_model, make_llm, _positive, _progress,
+                              _sig, _spec, _sync, synthetic, token_pool)
 from engine.sampler import SamplingParams
 from kvstore.errors import KVStoreError
 
@@ -113,9 +112,7 @@ def run_decode(args: argparse.Namespace) -> dict:
         report["seconds_total"] = _sig(time.perf_counter() - started)
         return report
     finally:
-        if llm is not None:
-            llm.store.close(persist=False)
-        shutil.rmtree(workdir, ignore_errors=True)
+        discard(llm, workdir)
 
 
 def format_decode(r: dict) -> str:

@@ -6,14 +6,13 @@ transformers with no cache reuse; the cached runs' greedy tokens must equal the 
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 
-from app.bench.common import (GiB, MiB, _backend_name, _positive, _progress, _ratio, _sig, _spec, _sync,
-                              hf_generate, hf_model, make_llm, synthetic, token_pool)
+from app.bench.common import (GiB, MiB, _backend_name, discard, hf_generate, hf_model, make_llm, _positive,
+                              _progress, _ratio, _sig, _spec, _sync, synthetic, token_pool)
 from engine.sampler import SamplingParams
 from kvstore.config import format_size
 from kvstore.errors import KVStoreError
@@ -198,9 +197,7 @@ def run_long_doc_qa(args: argparse.Namespace) -> dict:
         report["seconds_total"] = _sig(time.perf_counter() - started)
         return report
     finally:
-        if llm is not None:
-            llm.store.close(persist=False)
-        shutil.rmtree(workdir, ignore_errors=True)
+        discard(llm, workdir)
 
 
 def format_long_doc_qa(r: dict) -> str:
