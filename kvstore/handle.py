@@ -62,10 +62,10 @@ class CacheHandle:
         return self.store.match(tokens, self.namespace)
 
     def load(self, match: "Match") -> bool:
-        """Start bringing the matched prefix's cold pages up to warm (on the store's I/O threads);
-        False when none of them is only in cold (nothing to wait for)."""
-        first_cold = match.tiers.index("cold") if "cold" in match.tiers else -1
-        if first_cold < 0 or self.store.cold is None or self.ticket is not None:
+        """Start bringing the matched prefix's cold pages (and those of other tiers below warm) up to
+        warm (on the store's I/O threads); False when none is only below warm (nothing to wait for)."""
+        mover = self.store.mover
+        if all(t in (mover.top, mover.stage) for t in match.tiers) or self.ticket is not None:
             return False
         self.served = self.served or list(match.tiers)   # where the pages were before the load
         self.ticket = self.store.io.load(match.keys)

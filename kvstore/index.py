@@ -13,7 +13,11 @@ tier, plus the least recently used leaves for the prefix-cache trim), so `victim
 warm, in cold with a child in cold or as the only copy of a parent) is left out of that tier's
 queue until a change re-queues it. Hence the rule: code that changes a field a policy key reads
 calls index.touch(e), and so does code that drops a refcount or a lease; tier membership changes
-go through set_hot, set_warm and set_cold, links through add and remove.
+go through place (set_hot, set_warm and set_cold for the built-in tiers), links through add and remove.
+
+Residency is generic: `PageEntry.where` maps each tier holding the page (by name, fastest
+first) to its handle there: a slot in a slotted tier, True in a keyed one (the key is the
+handle). `hot`, `warm`, `cold` and `tier` are read-only views of it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Callable, Iterator
 
 from kvstore.policy import POLICIES, VictimQueue
 
-TIERS = ("hot", "warm", "cold")
+TIERS = ("hot", "warm", "cold")   # the built-in tiers, fastest first
 
 
 @dataclass(slots=True, eq=False)
@@ -34,9 +38,7 @@ class PageEntry:
     namespace: bytes
     tokens: bytes                # int32 LE token ids of this page
     depth: int = 0               # page index in its sequence
-    hot: int | None = None       # hot slot
-    warm: int | None = None      # warm slot
-    cold: bool = False           # a record in the cold tier
+    where: dict = field(default_factory=dict)   # tier name -> handle (slot; True in a keyed tier), fastest first
     refcount: int = 0
     leases: int = 0              # holders of the warm copy
     writing: bool = False        # a cold write of this page is in flight: its warm copy stays
@@ -51,40 +53,65 @@ class PageEntry:
     def children(self) -> int:
         return len(self.kids)
 
+    # read-only views of `where` for the built-in tiers (the admin views and the services read them)
+    @property
+    def hot(self) -> int | None:
+        return self.where.get("hot")
+
+    @property
+    def warm(self) -> int | None:
+        return self.where.get("warm")
+
+    @property
+    def cold(self) -> bool:
+        return "cold" in self.where
+
     @property
     def tier(self) -> str:
         """The fastest tier holding this page."""
-        return "hot" if self.hot is not None else "warm" if self.warm is not None else "cold"
+        return next(iter(self.where), "cold")
 
     @property
     def residency(self) -> int:
-        return (self.hot is not None) + (self.warm is not None) + self.cold
+        return len(self.where)
+
+    def in_memory(self, memory: frozenset) -> bool:
+        return not self.where.keys().isdisjoint(memory)
 
     def pinned(self, now: float) -> bool:
         return self.pin_until > now
 
 
 class PageIndex:
-    def __init__(self, policy: str = "lru"):
+    """`tiers`: the store's tier names, fastest first; `keyed`: those whose handles are page keys.
+    The first tier holds referenced pages, the second leased ones; the first keyed tier (cold)
+    keeps a record while a child is in it (leaves first)."""
+
+    def __init__(self, policy: str = "lru", tiers: tuple[str, ...] = TIERS, keyed: tuple[str, ...] = ("cold",)):
         self.policy = policy
+        self.tiers = tuple(tiers)
+        self.keyed = frozenset(keyed)
+        self.rank = {t: i for i, t in enumerate(self.tiers)}
+        self.persistent = next((t for t in self.tiers if t in self.keyed), None)
+        # tier -> handle (slot, or key in a keyed tier) -> entry
+        self.at: dict[str, dict] = {t: {} for t in self.tiers}
         self.entries: dict[bytes, PageEntry] = {}
-        self.hot_slots: dict[int, PageEntry] = {}
-        self.warm_slots: dict[int, PageEntry] = {}
-        self.cold_entries: dict[bytes, PageEntry] = {}
+        self.hot_slots = self.at[self.tiers[0]]
+        self.warm_slots = self.at[self.tiers[1]]
+        self.cold_entries = self.at.get("cold", {})
         self._waiting: dict[bytes, set[bytes]] = {}
         self._tick = 0
         self._seq = 0
         self._stamp = 0
         self._orders: dict[str, dict[str, VictimQueue]] = {}   # policy -> tier (or "leaves") -> queue
         self._changed: set[PageEntry] = set()                  # to push again before the next read
-        self._members = {"hot": self.hot_slots, "warm": self.warm_slots, "cold": self.cold_entries,
-                         "leaves": self.entries}
+        self._members = {**self.at, "leaves": self.entries}
+        held = {self.tiers[0]: lambda e: e.refcount, self.tiers[1]: lambda e: e.leases,
+                self.persistent: self._cold_held}
         self._wanted: dict[str, Callable[[PageEntry], bool]] = {
-            "hot": lambda e: e.hot is not None and not e.refcount,
-            "warm": lambda e: e.warm is not None and not e.leases,
-            "cold": lambda e: e.cold and not self._cold_held(e),
-            "leaves": lambda e: not e.kids}
-        for tier in TIERS:
+            t: (lambda e, t=t, h=held.get(t): t in e.where and not (h and h(e))) for t in self.tiers}
+        self._wanted["leaves"] = lambda e: not e.kids
+        for tier in self.tiers:
             self._queue(policy, tier)
         self._queue("lru", "leaves")
 
@@ -116,8 +143,8 @@ class PageIndex:
         self.entries[e.key] = e
         self._seq += 1
         e.seq = self._seq
-        if e.cold:
-            self.cold_entries[e.key] = e
+        for t, handle in e.where.items():
+            self.at[t][e.key if t in self.keyed else handle] = e
         e.kids = self._waiting.pop(e.key, set())
         parent = self.entries.get(e.parent)
         if parent is not None:
@@ -132,7 +159,8 @@ class PageIndex:
 
     def remove(self, e: PageEntry) -> None:
         del self.entries[e.key]
-        self.cold_entries.pop(e.key, None)
+        for t in self.keyed:
+            self.at[t].pop(e.key, None)
         self._stamp += 1
         e.stamp = self._stamp   # its queue items are stale now
         self._changed.discard(e)
@@ -150,35 +178,34 @@ class PageIndex:
             self._waiting[e.key] = e.kids
         e.kids = set()
 
-    def set_hot(self, e: PageEntry, slot: int | None) -> None:
-        if e.hot is not None:
-            del self.hot_slots[e.hot]
-        e.hot = slot
-        if slot is not None:
-            self.hot_slots[slot] = e
-        self._requeue(e)
-
-    def set_warm(self, e: PageEntry, slot: int | None) -> None:
-        if e.warm is not None:
-            del self.warm_slots[e.warm]
-        e.warm = slot
-        if slot is not None:
-            self.warm_slots[slot] = e
-        self._requeue(e)
-
-    def set_cold(self, e: PageEntry, flag: bool) -> None:
-        e.cold = flag
-        if flag:
-            self.cold_entries[e.key] = e
-        else:
-            self.cold_entries.pop(e.key, None)
+    def place(self, e: PageEntry, tier: str, handle=None) -> None:
+        """e's copy in `tier` is now `handle` (a slot; True in a keyed tier), or gone (None)."""
+        members, keyed = self.at[tier], tier in self.keyed
+        old = e.where.pop(tier, None)
+        if old is not None:
+            del members[e.key if keyed else old]
+        if handle is not None and handle is not False:
+            e.where[tier] = handle
+            members[e.key if keyed else handle] = e
+            if len(e.where) > 1:   # keep the fastest tier first
+                e.where = {t: e.where[t] for t in sorted(e.where, key=self.rank.__getitem__)}
         self._requeue(e)
         parent = self.entries.get(e.parent)
-        if not flag and parent is not None and parent.cold:
+        if tier == self.persistent and old is not None and handle is None and parent is not None \
+                and tier in parent.where:
             self._requeue(parent)   # its last child in cold may have left
 
+    def set_hot(self, e: PageEntry, slot: int | None) -> None:
+        self.place(e, "hot", slot)
+
+    def set_warm(self, e: PageEntry, slot: int | None) -> None:
+        self.place(e, "warm", slot)
+
+    def set_cold(self, e: PageEntry, flag: bool) -> None:
+        self.place(e, "cold", True if flag else None)
+
     def in_tier(self, tier: str) -> Iterator[PageEntry]:
-        return iter(self._members[tier].values())
+        return iter(self._members.get(tier, {}).values())   # a built-in tier not enabled holds nothing
 
     # eviction order
     def victims(self, tier: str, n: int, ok: Callable[[PageEntry], bool],
@@ -233,12 +260,12 @@ class PageIndex:
         """A cold record stays while a child is in cold, or while it is the only copy of a parent."""
         if not e.kids:
             return False
-        if e.hot is None and e.warm is None:
+        if len(e.where) == 1:
             return True
-        entries = self.entries
+        entries, tier = self.entries, self.persistent
         for k in e.kids:
             kid = entries.get(k)
-            if kid is not None and kid.cold:
+            if kid is not None and tier in kid.where:
                 return True
         return False
 

@@ -1,74 +1,100 @@
 """PageMover: moves pages between the tiers and decides what leaves a tier.
 
+The tiers are an ordered list, fastest first, and the mover walks it through the one tier
+interface (tiers/base.py: contains, read_into, write_from, evict). Roles follow the order: the
+first tier (hot) holds referenced pages, the second (warm) leased ones and is where every load
+lands; the first writable I/O tier (cold) is where write-behind makes pages durable; slotted
+tiers below warm (a plugin's) take demoted pages at memory speed and are read back like cold.
+A read-only source (a peer's pages, tiers/peer_pages.py) is read into warm by `admit`.
+
 Caching is inclusive: promoting a page leaves its lower copies in place, so demoting it again
 is only a free. Referenced pages never leave hot, leased pages never leave warm, pinned pages
 never leave any tier; a cold record is deleted only when none of its children is in cold
 (leaves first).
 
 Two speeds, so that no caller ever holds the store's lock across disk I/O:
-- memory (any thread, under the lock): `ensure_hot`, `ensure_warm_copy`, `make_room`, `demote`.
-  They never read or write LMDB. A page with no lower copy moves hot -> warm when warm has
-  room (freeing clean warm pages for it), and otherwise leaves the store if it is a leaf (a
-  cached page dropped, never a wrong one); a warm page without a cold copy is dirty and stays
-  until write-behind (PageIO) has made it durable.
-- disk (PageIO's threads): `plan_write` -> DiskTier.put_many -> `finish_write`, and
-  `plan_read` -> DiskTier.read_many -> `finish_read`, bracket the LMDB work; the plan and
-  finish halves run under the lock, the I/O between them does not. Pages in flight are marked:
-  a page being written keeps its warm copy (`writing`), a page being read owns its warm slot.
+- memory (any thread, under the lock): `ensure`, `make_room`, `demote`, and reads from slotted
+  tiers. They never read or write an I/O tier. A page with no lower copy moves down to the next
+  slotted tier when it has room (freeing clean pages there for it), and otherwise leaves the
+  store if it is a leaf (a cached page dropped, never a wrong one); a page without a cold copy
+  is dirty and stays until write-behind (PageIO) has made it durable.
+- I/O (PageIO's threads): `plan_write` -> `write` -> `finish_write`, and `plan_read` -> `read`
+  -> `finish_read`, bracket the I/O; the plan and finish halves run under the lock, the I/O
+  between them does not. Pages in flight are marked: a page being written keeps its memory
+  copies below hot (`writing`), a page being read owns its warm slot.
 
+Every event is counted by MoveStats (move_stats.py), through its one method.
 All methods run under the store's lock (TieredStore and PageIO call them); none takes a lock itself.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
+from typing import Callable, Sequence
 
 from kvstore.errors import OutOfCapacity
-from kvstore.index import PageEntry, PageIndex
+from kvstore.index import TIERS, PageEntry, PageIndex
+from kvstore.move_stats import MoveStats, directions
 from kvstore.record import PREFIX_BYTES, RecordHeader
 from kvstore.spec import KVSpec
-from kvstore.tiers.device import DeviceTier
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.base import Tier
 
-TIERS = ("hot", "warm", "cold")
-DIRECTIONS = ("hot_to_warm", "warm_to_hot", "warm_to_cold", "cold_to_warm", "hot_to_cold", "cold_to_hot",
-              "peer_to_warm")
+DIRECTIONS = directions(TIERS)
+
+
+class Staged:
+    """Page copies taken under the lock (views of slots marked `writing`, or gathered copies),
+    the source a write reads from outside it."""
+
+    def __init__(self, payloads: list):
+        self._payloads = payloads
+
+    def payloads(self, slots: Sequence[int]) -> list:
+        return [self._payloads[i] for i in slots]
 
 
 @dataclass
 class WritePlan:
-    """Pages on their way to cold: headers and payload views that stay valid until finish_write."""
+    """Pages on their way to cold: headers, their source tiers and payloads that stay valid until finish_write."""
 
     entries: list[PageEntry]
     items: list[tuple[RecordHeader, object]]
     nbytes: int
+    sources: list[str]
 
 
 @dataclass
 class ReadPlan:
-    """Cold pages on their way to warm: each owns the warm slot it is read into."""
+    """Pages on their way up to warm from lower tiers: each owns the warm slot it is read into.
+    `ok` is known already for pages read from slotted tiers (at memory speed, while planning)."""
 
     entries: list[PageEntry]
     slots: list[int]
+    sources: list[str]
+    ok: list[bool | None]
 
 
 class PageMover:
-    def __init__(self, spec: KVSpec, hot: DeviceTier, warm: HostTier, cold: DiskTier | None,
-                 index: PageIndex, policy: str, emit: Callable[[str, bytes, str], None]):
-        self.spec, self.hot, self.warm, self.cold, self.index = spec, hot, warm, cold, index
-        self.policy = policy
-        self.emit = emit
+    def __init__(self, spec: KVSpec | None, tiers: Sequence[Tier], index: PageIndex, policy: str,
+                 emit: Callable[[str, bytes, str], None], stats: MoveStats | None = None):
+        self.spec, self.index, self.policy, self.emit = spec, index, policy, emit
+        self.tiers: dict[str, Tier] = {t.name: t for t in tiers}
+        self.names = index.tiers
+        self.top, self.stage = self.names[0], self.names[1]        # hot, warm
+        self.memory = frozenset(t for t in self.names if t not in index.keyed)   # slotted tiers
+        self.durable = next((t.name for t in tiers if t.io and t.writable), None)   # cold
+        self.stats = stats or MoveStats(self.names, spec.page_bytes if spec else 0)
         self.unindexed: set[bytes] = set()   # cold records that are damaged or of another geometry
-        self.counters = {t: {"hits": 0, "misses": 0, "evictions": 0, "promotions": 0} for t in TIERS}
-        self.bytes_moved = dict.fromkeys(DIRECTIONS, 0)
-        self.corrupt_pages = 0
-        self.dropped_pages = 0               # cached pages that left the store for lack of room
         self.reading: set[int] = set()       # warm slots owned by reads in flight
         self.deleting: set[bytes] = set()    # cold records unindexed, their delete not yet durable
+
+    @property
+    def bytes_moved(self) -> dict[str, int]:
+        return self.stats.bytes_moved
+
+    def count(self, event: str, tier: str | None = None, pages: int = 1, to: str | None = None) -> None:
+        self.stats.count(event, tier, pages, to)
 
     def record_bytes(self, e: PageEntry) -> int:
         return PREFIX_BYTES + len(self.header(e).pack()) + self.spec.page_bytes
@@ -76,140 +102,192 @@ class PageMover:
     def header(self, e: PageEntry) -> RecordHeader:
         return RecordHeader(e.key, e.parent, e.namespace, e.tokens, self.spec.fingerprint, self.spec.page_bytes)
 
+    def below(self, tier: str) -> str | None:
+        """The next slotted tier under `tier`, where its demoted pages go at memory speed."""
+        i = self.names.index(tier) + 1
+        return self.names[i] if i < len(self.names) and self.names[i] in self.memory else None
+
+    def copy(self, entries: list[PageEntry], src: str, dst: str, slots: list[int], counted: bool = True) -> None:
+        """Copy entries' pages from src into dst's slots and index them there (memory speed)."""
+        self.tiers[dst].write_from(self.tiers[src], [e.where[src] for e in entries], slots).result()
+        if counted:
+            self.count("move", src, len(entries), dst)
+        for e, slot in zip(entries, slots):
+            self.index.place(e, dst, slot)
+            self.emit("add", e.key, dst)
+
     # up, at memory speed
-    def ensure_hot(self, e: PageEntry) -> bool:
-        """Give e a hot copy (from warm). False when its only copy is in cold: load it first (PageIO).
-        Raises OutOfCapacity when hot has no room."""
-        if e.hot is not None:
-            self.counters["hot"]["hits"] += 1
+    def ensure(self, e: PageEntry, tier: str) -> bool:
+        """Give e a copy in hot (from warm) or in warm (from hot). False when the other holds none
+        (load it first: PageIO) or, for warm, has no room; raises OutOfCapacity when hot has none."""
+        if tier in e.where:
+            self.count("hit", tier)
             return True
-        self.counters["hot"]["misses"] += 1
-        if e.warm is None:
+        self.count("miss", tier)
+        src = self.stage if tier == self.top else self.top
+        if src not in e.where:
             return False
-        e.leases += 1   # its warm copy must survive making room in hot
-        try:
-            room = self.make_room("hot", 1)
-        finally:
-            e.leases -= 1
-            self.index.changed(e)
-        if not room:
-            raise OutOfCapacity(f"out of KV capacity: cannot promote a page, all {self.hot.num_pages} "
-                                "hot pages are referenced, pinned or allocated")
-        [slot] = self.hot.pool.alloc(1)
-        self.counters["warm"]["hits"] += 1
-        self.hot.load_from([slot], self.warm, [e.warm])
-        self.bytes_moved["warm_to_hot"] += self.spec.page_bytes
-        self.index.set_hot(e, slot)
-        self.counters["hot"]["promotions"] += 1
-        self.emit("add", e.key, "hot")
+        if tier == self.top:
+            e.leases += 1   # its warm copy must survive making room in hot
+            try:
+                room = self.make_room(tier, 1)
+            finally:
+                e.leases -= 1
+                self.index.changed(e)
+            if not room:
+                raise OutOfCapacity(f"out of KV capacity: cannot promote a page, all {self.tiers[tier].num_slots} "
+                                    "hot pages are referenced, pinned or allocated")
+            self.count("hit", src)
+        elif not self.make_room(tier, 1, {e.key}):
+            return False
+        self.copy([e], src, tier, self.tiers[tier].alloc(1))
+        if tier == self.top:
+            self.count("promote", tier)
         return True
+
+    def ensure_hot(self, e: PageEntry) -> bool:
+        return self.ensure(e, self.top)
 
     def ensure_warm_copy(self, e: PageEntry) -> bool:
-        """Give e a warm copy itself (from hot). False when warm has no room or its only copy is cold."""
-        if e.warm is not None:
-            self.counters["warm"]["hits"] += 1
-            return True
-        self.counters["warm"]["misses"] += 1
-        if e.hot is None or not self.make_room("warm", 1, {e.key}):
-            return False
-        [slot] = self.warm.pool.alloc(1)
-        self.hot.save_to([e.hot], self.warm, [slot])
-        self.bytes_moved["hot_to_warm"] += self.spec.page_bytes
-        self.index.set_warm(e, slot)
-        self.emit("add", e.key, "warm")
-        return True
+        return self.ensure(e, self.stage)
 
     def page_bytes(self, e: PageEntry) -> bytes | None:
-        """A page-first byte copy of e's page from memory (None when it is only in cold)."""
-        if e.warm is not None:
-            return self.warm.raw[e.warm].numpy().tobytes()
-        if e.hot is not None:
-            return self.hot.gather([e.hot]).cpu().view(torch.uint8).numpy().tobytes()
+        """A page-first byte copy of e's page from memory (None when it is only in I/O tiers)."""
+        for t in (self.stage, *self.names):
+            if t in e.where and t in self.memory:
+                return bytes(self.tiers[t].payloads([e.where[t]])[0])
         return None
 
-    # cold reads: plan under the lock, read outside it, finish under it
+    # reads into warm: plan under the lock, read I/O tiers outside it, finish under it
     def plan_read(self, entries: list[PageEntry]) -> ReadPlan:
-        """Warm slots for those of `entries` (a chain, in order) that are only in cold; stops at the
-        first page that is gone or finds no warm room. Pages already in memory are skipped."""
-        todo, slots = [], []
+        """Warm slots for those of `entries` (a chain, in order) that are only in lower tiers; stops
+        at the first page that is gone or finds no warm room. Pages already in hot or warm are
+        skipped; those in a slotted tier below warm are copied now."""
+        plan = ReadPlan([], [], [], [])
+        stage = self.tiers[self.stage]
         for e in entries:
-            if e.key not in self.index or e.hot is not None or e.warm is not None:
+            if e.key not in self.index or self.top in e.where or self.stage in e.where:
                 continue
-            if not e.cold or not self.make_room("warm", 1, {x.key for x in entries}):
+            src = next(iter(e.where), None)
+            if src is None or not self.make_room(self.stage, 1, {x.key for x in entries}):
                 break
-            [slot] = self.warm.pool.alloc(1)
+            [slot] = stage.alloc(1)
             self.reading.add(slot)
-            todo.append(e)
-            slots.append(slot)
-        return ReadPlan(todo, slots)
+            ok = None
+            if src in self.memory:
+                ok = self.tiers[src].read_into([e.where[src]], stage, [slot]).result()[0]
+            plan.entries.append(e)
+            plan.slots.append(slot)
+            plan.sources.append(src)
+            plan.ok.append(ok)
+        return plan
+
+    def read(self, plan: ReadPlan) -> list[bool]:
+        """The I/O half of a read plan (outside the lock): each I/O tier reads its pages into warm."""
+        ok = list(plan.ok)
+        stage = self.tiers[self.stage]
+        for name in dict.fromkeys(s for s, k in zip(plan.sources, plan.ok) if k is None):
+            idx = [i for i, s in enumerate(plan.sources) if s == name and plan.ok[i] is None]
+            got = self.tiers[name].read_into([self.header(plan.entries[i]) for i in idx], stage,
+                                             [plan.slots[i] for i in idx]).result()
+            for i, good in zip(idx, got):
+                ok[i] = good
+        return ok
 
     def finish_read(self, plan: ReadPlan, ok: list[bool]) -> list[PageEntry]:
         """Index what was read into warm; a bad record is a counted miss, never served. Returns the
         entries now in warm from this plan, in order, up to the first failure."""
         done, failed = [], False
-        for e, slot, good in zip(plan.entries, plan.slots, ok):
+        for e, slot, src, good in zip(plan.entries, plan.slots, plan.sources, ok):
             self.reading.discard(slot)
-            alive = e.key in self.index and e.warm is None
+            alive = e.key in self.index and self.stage not in e.where
             if not good:
-                self.mark_corrupt(e)
+                self.mark_corrupt(e, src)
             if failed or not good or not alive:
                 failed = failed or not good
-                self.warm.pool.free([slot])
+                self.tiers[self.stage].evict([slot])
                 continue
-            self.index.set_warm(e, slot)
-            self.counters["cold"]["hits"] += 1
-            self.counters["warm"]["promotions"] += 1
-            self.bytes_moved["cold_to_warm"] += self.spec.page_bytes
-            self.emit("add", e.key, "warm")
+            self.index.place(e, self.stage, slot)
+            self.count("hit", src)
+            self.count("promote", self.stage)
+            self.count("move", src, 1, self.stage)
+            self.emit("add", e.key, self.stage)
             done.append(e)
         return done
 
-    def mark_corrupt(self, e: PageEntry) -> None:
-        """e's cold record failed verification: it is no longer a copy of e (left for `kvstore fsck`)."""
-        self.counters["cold"]["misses"] += 1
-        self.corrupt_pages += 1
+    def mark_corrupt(self, e: PageEntry, tier: str | None = None) -> None:
+        """e's record in `tier` (cold) failed verification: it is no longer a copy of e (left for `kvstore fsck`)."""
+        tier = tier or self.durable
+        self.count("corrupt", tier)
         self.unindexed.add(e.key)  # deleted first when cold needs room
-        if e.key in self.index and e.cold:
-            self.index.set_cold(e, False)
-            self.emit("remove", e.key, "cold")
+        if e.key in self.index and tier in e.where:
+            self.index.place(e, tier, None)
+            self.emit("remove", e.key, tier)
             if not e.residency:
                 self.index.remove(e)
 
-    # cold writes
+    def admit(self, source: Tier, headers: Sequence[RecordHeader]) -> int:
+        """Read a chain of new pages from a read-only source (a peer's) into warm, as cached pages;
+        returns how many of the chain are now cached (stops at the first that finds no room or
+        whose parent is not cached)."""
+        stage, done = self.tiers[self.stage], 0
+        for h in headers:
+            if h.key not in self.index:
+                if h.parent != h.namespace and h.parent not in self.index:
+                    break
+                if not self.make_room(self.stage, 1):
+                    break
+                [slot] = stage.alloc(1)
+                if not source.read_into([h], stage, [slot]).result()[0]:
+                    stage.evict([slot])
+                    break
+                parent = self.index.get(h.parent)
+                e = self.index.add(PageEntry(h.key, h.parent, h.namespace, h.tokens,
+                                             depth=parent.depth + 1 if parent else 0))
+                self.index.place(e, self.stage, slot)
+                self.count("move", source.name, 1, self.stage)
+                self.emit("add", h.key, self.stage)
+            done += 1
+        return done
+
+    # writes to cold
     def plan_write(self, entries: list[PageEntry]) -> WritePlan:
         """Headers and payloads of those entries that are in memory, not in cold and not already being
-        written; each is marked `writing` (its warm copy stays put) until finish_write."""
-        todo = [e for e in entries if e.key in self.index and not e.cold and not e.writing
-                and e.key not in self.deleting and (e.warm is not None or e.hot is not None)]
-        from_hot = [e for e in todo if e.warm is None]
-        gathered = self.hot.gather([e.hot for e in from_hot]).cpu() if from_hot else None
-        items, j = [], 0
+        written; each is marked `writing` (its memory copies below hot stay put) until finish_write."""
+        todo = [e for e in entries if e.key in self.index and self.durable not in e.where and not e.writing
+                and e.key not in self.deleting and e.in_memory(self.memory)]
+        sources = [self.stage if self.stage in e.where else next(t for t in e.where if t in self.memory)
+                   for e in todo]
+        payloads: list = [None] * len(todo)
+        for name in dict.fromkeys(sources):
+            idx = [i for i, s in enumerate(sources) if s == name]
+            for i, p in zip(idx, self.tiers[name].payloads([todo[i].where[name] for i in idx])):
+                payloads[i] = p
         for e in todo:
             e.writing = True
-            if e.warm is not None:
-                payload = self.warm.raw[e.warm].numpy()
-            else:
-                payload = gathered[j].view(torch.uint8).reshape(-1).numpy()
-                j += 1
-            items.append((self.header(e), payload))
+        items = [(self.header(e), p) for e, p in zip(todo, payloads)]
         nbytes = sum(PREFIX_BYTES + len(h.pack()) + self.spec.page_bytes for h, _ in items)
-        return WritePlan(todo, items, nbytes)
+        return WritePlan(todo, items, nbytes, sources)
+
+    def write(self, plan: WritePlan) -> Future:
+        """The I/O half of a write plan (outside the lock): the future resolves once it is durable."""
+        staged = Staged([p for _, p in plan.items])
+        return self.tiers[self.durable].write_from(staged, range(len(plan.items)), [h for h, _ in plan.items])
 
     def finish_write(self, plan: WritePlan, ok: bool) -> list[PageEntry]:
         """Mark the plan's pages cold-resident once their commit is durable; returns them."""
         done = []
-        for e in plan.entries:
+        for e, src in zip(plan.entries, plan.sources):
             e.writing = False
             self.index.changed(e)
             if not ok:
                 continue
-            direction = "warm_to_cold" if e.warm is not None else "hot_to_cold"
-            self.bytes_moved[direction] += self.spec.page_bytes
+            self.count("move", src, 1, self.durable)
             if e.key not in self.index:   # dropped meanwhile: the record is orphaned, delete it later
                 self.unindexed.add(e.key)
                 continue
-            self.index.set_cold(e, True)
-            self.emit("add", e.key, "cold")
+            self.index.place(e, self.durable, True)
+            self.emit("add", e.key, self.durable)
             done.append(e)
         return done
 
@@ -217,16 +295,16 @@ class PageMover:
         """Unindex cold records until `nbytes` more fit (damaged ones first); returns the keys to
         delete (by the caller, outside the lock) and whether that makes enough room. The room is
         what cold.max_bytes leaves, or less when the disk (or the map) holds less."""
-        if self.cold is None:
+        if self.durable is None:
             return [], False
-        need = nbytes - self.cold.room_bytes()
+        need = nbytes - self.tiers[self.durable].room_bytes()
         keys, freed = self._unindex_cold(need, exclude)
         return keys, freed >= need
 
     def cold_room(self, nbytes: int, exclude: set | None = None) -> list[bytes]:
         """Unindex cold records of at least `nbytes` in all, whatever the room looks like: for a disk or
         map that filled up anyway. Returns the keys to delete (by the caller, outside the lock)."""
-        return self._unindex_cold(nbytes, exclude)[0] if self.cold is not None else []
+        return self._unindex_cold(nbytes, exclude)[0] if self.durable is not None else []
 
     def _unindex_cold(self, nbytes: int, exclude: set | None) -> tuple[list[bytes], int]:
         """Damaged records (size unknown, counted as none), then the cold policy's victims (leaves
@@ -235,21 +313,26 @@ class PageMover:
         self.deleting.update(self.unindexed)
         self.unindexed.clear()
         while freed < nbytes:
-            victims = self.victims("cold", 8, exclude)
+            victims = self.victims(self.durable, 8, exclude)
             if not victims:
                 break
             for e in victims:
                 freed += self.record_bytes(e)
                 keys.append(e.key)
-            self.remove_copies(victims, "cold")
+            self.remove_copies(victims, self.durable)
         return keys, freed
 
     # down
     def evictable(self, e: PageEntry, tier: str, now: float) -> bool:
-        if e.pinned(now) or (tier == "hot" and e.refcount) or (tier == "warm" and (e.leases or e.writing)):
+        if e.pinned(now):
             return False
-        if tier == "cold":
-            if any(self.index.entries[k].cold for k in e.kids if k in self.index.entries):
+        if tier == self.top:
+            return not e.refcount
+        if tier in self.memory:
+            return not (e.writing or (tier == self.stage and e.leases))
+        if tier == self.index.persistent:
+            entries = self.index.entries
+            if any(tier in entries[k].where for k in e.kids if k in entries):
                 return False  # leaves before parents
             return e.residency > 1 or not e.kids
         return True
@@ -261,9 +344,9 @@ class PageMover:
                                   and not (leaves and e.kids), self.policy)
 
     def make_room(self, tier: str, n: int, exclude: set | None = None, drop: bool = True) -> bool:
-        """Free slots in hot or warm until n are free, at memory speed; False if that is impossible now.
-        Without `drop`, no page leaves the store (only pages with a copy elsewhere are freed)."""
-        pool = self.hot.pool if tier == "hot" else self.warm.pool
+        """Free slots in a slotted tier until n are free, at memory speed; False if that is impossible
+        now. Without `drop`, no page leaves the store (only pages with a copy elsewhere are freed)."""
+        pool = self.tiers[tier].pool
         while pool.num_free < n:
             short = n - pool.num_free
             # a parent with nowhere lower to go stays; dropping leaves first frees it for the next round
@@ -273,45 +356,38 @@ class PageMover:
         return pool.num_free >= n
 
     def demote(self, victims: list[PageEntry], tier: str, drop: bool = True) -> int:
-        """Move victims out of hot or warm at memory speed; returns how many left it.
+        """Move victims out of a slotted tier at memory speed; returns how many left it.
 
-        A victim leaves when a lower copy exists (warm or cold below hot; cold, or a hot copy, for
-        warm), when hot can copy it to warm, or, with no copy elsewhere and `drop`, when it is a leaf
-        (dropped). Other pages stay (write-behind can make them clean)."""
-        other = "warm" if tier == "hot" else "hot"
-        done = [e for e in victims if e.cold or getattr(e, other) is not None]
-        need = [e for e in victims if not (e.cold or getattr(e, other) is not None)]
-        if tier == "hot" and need and self.warm.num_slots:
-            self.make_room("warm", min(len(need), self.warm.num_slots), {e.key for e in victims}, drop)
-            k = min(len(need), self.warm.pool.num_free)
-            to_warm, need = need[:k], need[k:]
-            if to_warm:
-                slots = self.warm.pool.alloc(k)
-                self.hot.save_to([e.hot for e in to_warm], self.warm, slots)
-                self.bytes_moved["hot_to_warm"] += k * self.spec.page_bytes
-                for e, s in zip(to_warm, slots):
-                    self.index.set_warm(e, s)
-                    self.emit("add", e.key, "warm")
-                done += to_warm
+        A victim leaves when another tier holds a copy, when the next slotted tier below can take
+        a copy, or, with no copy elsewhere and `drop`, when it is a leaf (dropped). Other pages
+        stay (write-behind can make them clean)."""
+        done = [e for e in victims if e.residency > 1]
+        need = [e for e in victims if e.residency <= 1]
+        below = self.below(tier)
+        if below is not None and need and self.tiers[below].num_slots:
+            lower = self.tiers[below]
+            self.make_room(below, min(len(need), lower.num_slots), {e.key for e in victims}, drop)
+            k = min(len(need), lower.pool.num_free)
+            moved, need = need[:k], need[k:]
+            if moved:
+                self.copy(moved, tier, below, lower.alloc(k))
+                done += moved
         dropped = [e for e in need if drop and not e.kids and not e.writing]  # fits nowhere: leaves leave the store
-        self.dropped_pages += len(dropped)
+        if dropped:
+            self.count("drop", None, len(dropped))
         self.remove_copies(done + dropped, tier)
         return len(done) + len(dropped)
 
     def remove_copies(self, entries: list[PageEntry], tier: str) -> None:
-        """Drop entries' copies in `tier` (a cold record's delete is the caller's); an entry with no
+        """Drop entries' copies in `tier` (an I/O tier's delete is the caller's); an entry with no
         copy left leaves the index."""
         for e in entries:
-            if tier == "hot":
-                self.hot.pool.free([e.hot])
-                self.index.set_hot(e, None)
-            elif tier == "warm":
-                self.warm.pool.free([e.warm])
-                self.index.set_warm(e, None)
+            if tier in self.memory:
+                self.tiers[tier].evict([e.where[tier]])
             else:
-                self.index.set_cold(e, False)
                 self.deleting.add(e.key)   # the caller deletes the record (PageIO.drop_cold)
-            self.counters[tier]["evictions"] += 1
+            self.index.place(e, tier, None)
+            self.count("evict", tier)
             self.emit("remove", e.key, tier)
         for e in entries:
             if not e.residency:

@@ -143,7 +143,7 @@ class PageIO:
     def _hold(self, ticket: LoadTicket, entries: list[PageEntry]) -> None:
         """Lease the leading pages of `entries` that are now in memory for the ticket."""
         for e in entries:
-            if e.key not in self.store.index or (e.hot is None and e.warm is None):
+            if e.key not in self.store.index or not e.in_memory(self.store.mover.memory):
                 break
             if e.warm is not None:
                 e.leases += 1
@@ -151,14 +151,11 @@ class PageIO:
             ticket.ready += 1
 
     def _read(self, plan) -> list[bool]:
-        store = self.store
-        ns_tokens = [(e.key, e.namespace, e.tokens, store.spec.fingerprint, store.warm.raw[s])
-                     for e, s in zip(plan.entries, plan.slots)]
         try:
-            return store.cold.read_many(ns_tokens)
+            return self.store.mover.read(plan)
         except Exception as exc:  # noqa: BLE001 - the tier closed or failed: nothing is served, the slots go back
-            log.warning("cold read of %d pages failed: %s", len(ns_tokens), exc)
-            return [False] * len(ns_tokens)
+            log.warning("cold read of %d pages failed: %s", len(plan.entries), exc)
+            return [bool(ok) for ok in plan.ok]
 
     def end_load(self, ticket: LoadTicket) -> None:
         """The holder is done with the ticket (call under the store's lock): its leases are returned
@@ -177,7 +174,7 @@ class PageIO:
         """Write entries to cold (blocking, outside the lock); returns those now cold-resident.
         Makes room in cold first (leaves before parents); what still does not fit is skipped."""
         store, mover = self.store, self.store.mover
-        if store.cold is None or not entries:
+        if mover.durable is None or not entries:
             return []
         with store._lock:
             plan = mover.plan_write(list(entries))
@@ -192,7 +189,7 @@ class PageIO:
                     e.writing = False
                     mover.index.changed(e)
                 half = len(plan.entries) // 2
-                plan.entries, plan.items = plan.entries[:half], plan.items[:half]
+                plan.entries, plan.items, plan.sources = plan.entries[:half], plan.items[:half], plan.sources[:half]
                 plan.nbytes = sum(mover.record_bytes(e) for e in plan.entries)
                 more, fits = mover.cold_victims(plan.nbytes, {e.key for e in plan.entries})
                 keys += more
@@ -214,7 +211,7 @@ class PageIO:
         store = self.store
         for attempt in range(FULL_RETRIES + 1):
             try:
-                store.cold.put_many(plan.items).result()
+                store.mover.write(plan).result()
             except ColdFull as exc:
                 if attempt < FULL_RETRIES and self._make_room(plan, (attempt + 1) * plan.nbytes):
                     continue
@@ -276,7 +273,7 @@ class PageIO:
         if keys and self.store.cold is not None:
             failed = False
             try:
-                self.store.cold.delete_many(keys).result()
+                self.store.cold.evict(keys).result()
             except KVStoreError as exc:
                 failed = True
                 log.warning("deleting %d cold records failed: %s", len(keys), exc)

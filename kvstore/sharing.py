@@ -79,7 +79,7 @@ class WarmSharing:
                 if e is None or (namespace is not None and e.namespace != namespace.digest):
                     break
                 chain.append(key)
-            cold = any(self.index.entries[k].tier == "cold" for k in chain)
+            cold = any(self.index.entries[k].tier not in (self.mover.top, self.mover.stage) for k in chain)
         if not cold:
             return self.lease_in_memory(chain)
         ticket = self.io.load(chain)

@@ -1,7 +1,9 @@
 """TieredStore: the one facade the engine and the services call.
 
-Pages live in hot (DeviceTier), warm (HostTier) and cold (DiskTier), are named by hash-chained
-keys (keys.py), indexed by PageIndex (where, who holds them, how used) and moved by PageMover.
+Pages live in an ordered list of tiers, hot (DeviceTier), warm (HostTier) and cold (DiskTier),
+built by name from the config (tiers/build.py), are named by hash-chained keys (keys.py), indexed
+by PageIndex (where, who holds them, how used), moved by PageMover and counted by MoveStats.
+Moving pages down on request and by watermarks is TierMaintenance's (maintenance.py).
 
 The engine's requests go through a CacheHandle (handle.py): `store.handle(namespace)`, then
 match -> load (cold pages up to warm, in the background) -> attach (hold the cached prefix in
@@ -36,19 +38,24 @@ import torch
 
 from kvstore.config import Config
 from kvstore.datadir import DataDir
-from kvstore.errors import DamagedStore, KVStoreError, OutOfCapacity
+from kvstore.errors import KVStoreError, OutOfCapacity
 from kvstore.handle import CacheHandle
-from kvstore.index import PageEntry, PageIndex
+from kvstore.index import TIERS, PageEntry, PageIndex
 from kvstore.keys import Namespace, page_keys, tokens_bytes
 from kvstore import record
-from kvstore.mover import TIERS, PageMover
+from kvstore.maintenance import TierMaintenance
+from kvstore.move_stats import MoveStats
+from kvstore.mover import PageMover
 from kvstore.pageio import PageIO
 from kvstore.record import RecordHeader
 from kvstore.sharing import WarmSharing
 from kvstore.spec import KVSpec
+from kvstore.tiers.base import Tier
+from kvstore.tiers.build import Layer, build_tiers, layout
 from kvstore.tiers.device import DeviceTier, resolve_device
-from kvstore.tiers.disk import DiskTier, set_aside
+from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.peer_pages import PeerPages
 
 Listener = Callable[[str, bytes, str], None]   # (event "add" | "remove", key, tier)
 log = logging.getLogger("kvstore.store")
@@ -86,8 +93,10 @@ def free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-class TieredStore(WarmSharing):
-    def __init__(self, config: Config, spec: KVSpec | None = None, model_id: str | None = None):
+class TieredStore(WarmSharing, TierMaintenance):
+    def __init__(self, config: Config, spec: KVSpec | None = None, model_id: str | None = None,
+                 extra_tiers: Sequence[Layer] = ()):
+        """`extra_tiers`: (role, backend, settings) of tiers to place between warm and cold."""
         self.config = config
         device = resolve_device(config.hot.device)
         self.spec = spec or config.kv_spec(device.type)
@@ -99,30 +108,25 @@ class TieredStore(WarmSharing):
                                f"({self.spec.describe()})")
         self.data_dir = (DataDir(config.data_dir).lock() if config.cold.enabled or config.warm.shared_memory
                          else None)
-        self.hot = self.warm = self.cold = None
         try:
-            self.cold = self._open_cold() if config.cold.enabled else None
-            self.hot = DeviceTier(self.spec, pool_bytes // self.spec.page_bytes, device)
-            self.warm = HostTier(self.spec, config.warm.bytes // self.spec.page_bytes,
-                                 shared=config.warm.shared_memory,
-                                 shm_name=self.data_dir.shm_name if self.data_dir else None)
+            self.tiers: list[Tier] = build_tiers(self.spec, layout(
+                config, self.spec, device, pool_bytes, self.data_dir.shm_name if self.data_dir else None, extra_tiers))
         except BaseException:
-            for tier in (self.cold, self.hot):
-                if tier is not None:
-                    tier.close()
             if self.data_dir is not None:
                 self.data_dir.unlock()
             raise
-        self.index = PageIndex(config.eviction_policy)
+        self._by_name = {t.name: t for t in self.tiers}
+        names = tuple(self._by_name)
+        self.index = PageIndex(config.eviction_policy, names, tuple(t.name for t in self.tiers if t.keyed))
         self._lock = threading.RLock()
         self._owned: set[int] = set()   # hot slots allocated to callers and not committed
         self._warm_owned: set[int] = set()   # the same in warm (allocate_warm)
         self._listeners: list[Listener] = []
         self._release_waiters: list[Callable[[], None]] = []
         self.write_through_pending: list[bytes] = []
-        self.mismatched_pages = 0
-        self.mover = PageMover(self.spec, self.hot, self.warm, self.cold, self.index,
-                               config.eviction_policy, self._emit)
+        # every built-in tier is reported, enabled or not
+        self.counts = MoveStats(names if "cold" in names else (*names, "cold"), self.spec.page_bytes)
+        self.mover = PageMover(self.spec, self.tiers, self.index, config.eviction_policy, self._emit, self.counts)
         self.io = PageIO(self)
         self._maintenance = threading.Lock()   # one rebalance at a time
         self.indexing = {"done": self.cold is None, "pages": 0}
@@ -132,22 +136,24 @@ class TieredStore(WarmSharing):
             self._indexer = threading.Thread(target=self._index_cold, name="kvstore-cold-index", daemon=True)
             self._indexer.start()
 
-    # lifecycle
-    def _open_cold(self) -> DiskTier:
-        """The cold tier; a damaged store is refused, or set aside under cold.on_damage = quarantine."""
-        cfg = self.config
-        args = (cfg.cold_path, self.spec, cfg.cold.max_bytes, cfg.cold_map_size_max, cfg.cold.write_batch)
-        try:
-            return DiskTier(*args)
-        except DamagedStore as exc:
-            if cfg.cold.on_damage != "quarantine":
-                raise
-            aside, pages = set_aside(str(cfg.cold_path))
-            log.error("the cold store at %s is damaged (%s): cold.on_damage is quarantine, so it was moved to %s "
-                      "with %s pages set aside; the cold tier starts empty", cfg.cold_path, exc.reason, aside,
-                      "its" if pages is None else pages)
-        return DiskTier(*args)
+    # the tiers, by role
+    @property
+    def hot(self) -> DeviceTier:
+        return self._by_name["hot"]
 
+    @property
+    def warm(self) -> HostTier:
+        return self._by_name["warm"]
+
+    @property
+    def cold(self) -> DiskTier | None:
+        return self._by_name.get("cold")
+
+    @property
+    def mismatched_pages(self) -> int:
+        return self.counts.pages["mismatch"]
+
+    # lifecycle
     def _index_cold(self) -> None:
         """Index the cold tier's records, a chunk per trip through the lock, while the store serves."""
         chunk: list = []
@@ -204,9 +210,8 @@ class TieredStore(WarmSharing):
                 if len(self.io.persist(pending[i:i + 256])) < len(pending[i:i + 256]):
                     break
         with self._lock:
-            for tier in (self.cold, self.warm, self.hot):
-                if tier is not None:
-                    tier.close()
+            for tier in reversed(self.tiers):
+                tier.close()
         if self.data_dir is not None:
             self.data_dir.unlock()
 
@@ -243,7 +248,7 @@ class TieredStore(WarmSharing):
                 if e is None:
                     break
                 if e.namespace != namespace.digest or e.parent != prev or e.tokens != tokens_bytes(tokens[i * ps:(i + 1) * ps]):
-                    self.mismatched_pages += 1
+                    self.counts.count("mismatch")
                     break
                 m.keys.append(key)
                 m.tiers.append(e.tier)
@@ -421,25 +426,9 @@ class TieredStore(WarmSharing):
     def import_records(self, records: Sequence[tuple[RecordHeader, bytes]]) -> int:
         """Put verified pages (a prefix chain whose first parent is cached or the root) into warm,
         as cached pages; returns how many are now cached. The caller has verified them."""
-        done = 0
+        source = PeerPages(self.spec, records)   # a read-only tier the mover reads into warm
         with self._lock:
-            for header, payload in records:
-                e = self.index.get(header.key)
-                if e is None:
-                    if header.parent != header.namespace and header.parent not in self.index:
-                        break
-                    if not self.mover.make_room("warm", 1):
-                        break
-                    [slot] = self.warm.pool.alloc(1)
-                    self.warm.raw[slot].numpy()[:] = memoryview(payload).cast("B")
-                    parent = self.index.get(header.parent)
-                    e = self.index.add(PageEntry(header.key, header.parent, header.namespace, header.tokens,
-                                                 depth=parent.depth + 1 if parent else 0))
-                    self.index.set_warm(e, slot)
-                    self.mover.bytes_moved["peer_to_warm"] += self.spec.page_bytes
-                    self._emit("add", header.key, "warm")
-                done += 1
-        return done
+            return self.mover.admit(source, [header for header, _ in records])
 
     # operator controls
     def pin(self, keys: Iterable[bytes], ttl_s: float | None = None) -> int:
@@ -459,147 +448,6 @@ class TieredStore(WarmSharing):
                 e.pin_until = 0.0
             return len(found)
 
-    def evict(self, keys: Iterable[bytes], to: str | None = None) -> int:
-        """Move pages down: out of hot (to="warm"), out of hot and warm (to="cold"), or out of the
-        store (to=None). Referenced and pinned pages are skipped; deepest pages go first."""
-        if to not in ("warm", "cold", None):
-            raise KVStoreError(f"evict: to = {to!r}: must be warm, cold or none")
-        leave = {"warm": ("hot",), "cold": ("hot", "warm"), None: ("hot", "warm", "cold")}[to]
-        with self._lock:
-            entries = sorted((e for e in map(self.index.get, keys) if e is not None), key=lambda e: -e.depth)
-        return self._evict(entries, leave)
-
-    def flush(self, tier: str) -> int:
-        """Move every page that may leave `tier` one tier down (out of the store, for cold)."""
-        if tier not in TIERS:
-            raise KVStoreError(f"flush: tier = {tier!r}: must be one of {', '.join(TIERS)}")
-        with self._lock:
-            entries = sorted(self.index.in_tier(tier), key=lambda e: -e.depth)
-        return self._evict(entries, (tier,))
-
-    def _in(self, e: PageEntry, tier: str) -> bool:
-        return e.hot is not None if tier == "hot" else e.warm is not None if tier == "warm" else e.cold
-
-    def _evict(self, entries: list[PageEntry], tiers: tuple[str, ...]) -> int:
-        """Demote each entry out of each of `tiers` where it may leave; returns how many copies left.
-        A page with nowhere lower to go in memory is written to cold first (outside the lock)."""
-        moved = 0
-        for tier in tiers:
-            if tier == "cold":
-                with self._lock:
-                    now = self.index.now()
-                    keys = []
-                    for e in entries:   # deepest first: a parent may become a leaf as its children go
-                        if e.key in self.index and e.cold and self.mover.evictable(e, "cold", now):
-                            self.mover.remove_copies([e], "cold")
-                            keys.append(e.key)
-                self.io.drop_cold(keys)
-                moved += len(keys)
-                continue
-            with self._lock:
-                now = self.index.now()
-                live = [e for e in entries if e.key in self.index and self._in(e, tier)
-                        and self.mover.evictable(e, tier, now)]
-                other = "warm" if tier == "hot" else "hot"
-                needs_disk = [e for e in live if not e.cold and getattr(e, other) is None
-                              and not (tier == "hot" and self.warm.pool.num_free)]
-            if self.cold is not None:
-                self.io.persist(needs_disk)
-            with self._lock:
-                now = self.index.now()
-                for e in live:   # a page the cold tier could not take stays (dirty), never dropped
-                    if e.key in self.index and self._in(e, tier) and self.mover.evictable(e, tier, now):
-                        moved += self.mover.demote([e], tier, drop=self.cold is None)
-        return moved
-
-    # the daemon's periodic work
-    def rebalance(self) -> dict[str, int]:
-        """Bring each tier above its high watermark down to its low watermark; trim the index.
-
-        Hot demotes at memory speed; warm frees clean pages at once and writes dirty ones behind
-        (outside the lock) before freeing them; cold deletes leaves. For worker threads."""
-        moved = {"hot": 0, "warm": 0, "cold": 0}
-        with self._maintenance:
-            with self._lock:
-                pool, cfg, victims = self.hot.pool, self.config.hot, []
-                if pool.num_slots and pool.num_used > cfg.high_watermark * pool.num_slots:
-                    target = int(cfg.low_watermark * pool.num_slots)
-                    victims = self.mover.victims("hot", pool.num_used - target)
-                    moved["hot"] = self.mover.demote(victims, "hot", drop=self.cold is None)
-            moved["hot"] += self._write_behind(victims if moved["hot"] < len(victims) else [], "hot")
-            with self._lock:
-                pool, cfg = self.warm.pool, self.config.warm
-                victims = []
-                if pool.num_slots and pool.num_used > cfg.high_watermark * pool.num_slots:
-                    victims = self.mover.victims("warm", pool.num_used - int(cfg.low_watermark * pool.num_slots))
-                    moved["warm"] = self.mover.demote(victims, "warm", drop=self.cold is None)
-            moved["warm"] += self._write_behind(victims if moved["warm"] < len(victims) else [], "warm")
-            if self.cold is not None:
-                with self._lock:
-                    keys = []
-                    if self.cold.used_bytes > self.config.cold.high_watermark * self.cold.capacity_bytes:
-                        keys, _ = self.mover.cold_victims(self.cold.used_bytes - int(
-                            self.config.cold.low_watermark * self.cold.capacity_bytes))
-                self.io.drop_cold(keys)
-                moved["cold"] = len(keys)
-            if self.config.write_policy == "write_through" and self.write_through_pending:
-                self.write_through()
-            self._trim_index()
-        return moved
-
-    def clean_warm(self, n: int) -> int:
-        """Free up to n warm slots now, writing dirty pages behind first (blocks: worker threads)."""
-        with self._maintenance:   # after any write-behind in flight
-            with self._lock:
-                victims = self.mover.victims("warm", n)
-                freed = self.mover.demote(victims, "warm", drop=self.cold is None)
-            return freed + self._write_behind(victims, "warm")
-
-    def _write_behind(self, victims: list[PageEntry], tier: str) -> int:
-        """Write the victims still in `tier` (dirty: no lower copy) to cold, then free them there."""
-        with self._lock:
-            dirty = [e for e in victims if e.key in self.index and self._in(e, tier)]
-        if not dirty or self.cold is None:
-            return 0
-        self.io.persist(sorted(dirty, key=lambda e: e.depth))
-        with self._lock:
-            now = self.index.now()
-            clean = [e for e in dirty if e.key in self.index and self._in(e, tier) and e.cold
-                     and self.mover.evictable(e, tier, now)]
-            return self.mover.demote(clean, tier)
-
-    def _trim_index(self) -> None:
-        """Drop the oldest unreferenced leaves past prefix_cache_max_entries."""
-        with self._lock:
-            over = len(self.index) - self.config.prefix_cache_max_entries
-            keys = []
-            if over > 0:
-                now = self.index.now()
-                for e in self.index.oldest_leaves(over, lambda e: not (e.refcount or e.leases or e.writing
-                                                                       or e.pinned(now))):
-                    for tier in TIERS:
-                        if self._in(e, tier):
-                            self.mover.remove_copies([e], tier)
-                            if tier == "cold":
-                                keys.append(e.key)
-        self.io.drop_cold(keys)
-
-    def write_through(self, limit: int = 256) -> int:
-        """Copy committed pages down now (write_through policy), so that evicting them is a free."""
-        with self._lock:
-            keys, self.write_through_pending = self.write_through_pending[:limit], self.write_through_pending[limit:]
-            entries = [e for e in map(self.index.get, dict.fromkeys(keys)) if e is not None
-                       and (e.hot is not None or e.warm is not None)]
-            to_warm = [e for e in entries if e.warm is None]
-            if to_warm and self.mover.make_room("warm", len(to_warm), {e.key for e in entries}):
-                slots = self.warm.pool.alloc(len(to_warm))
-                self.hot.save_to([e.hot for e in to_warm], self.warm, slots)
-                for e, s in zip(to_warm, slots):
-                    self.index.set_warm(e, s)
-                    self._emit("add", e.key, "warm")
-        self.io.persist([e for e in entries if not e.cold])
-        return len(entries)
-
     # observability
     def residency(self, keys: Sequence[bytes] | None = None) -> dict[bytes, tuple[str, bytes] | None]:
         """Each key's fastest tier and namespace digest (None when not cached); all pages without keys."""
@@ -611,26 +459,27 @@ class TieredStore(WarmSharing):
     def stats(self) -> dict:
         with self._lock:
             now = self.index.now()
-            tiers = {}
-            for name, tier, cfg in (("hot", self.hot, self.config.hot), ("warm", self.warm, self.config.warm),
-                                    ("cold", self.cold, self.config.cold)):
-                entries = list(self.index.in_tier(name))
+            tiers, counts = {}, self.counts.snapshot()
+            for name in counts["tiers"]:
+                tier, cfg = self._by_name.get(name), getattr(self.config, name, None)
+                entries = list(self.index.in_tier(name)) if tier is not None else []
                 tiers[name] = {
                     "capacity_bytes": tier.capacity_bytes if tier is not None else 0,
                     "used_bytes": tier.used_bytes if tier is not None else 0,
                     "pages": len(entries),
                     "referenced_pages": sum(1 for e in entries if e.refcount),
                     "pinned_pages": sum(1 for e in entries if e.pinned(now)),
-                    "high_watermark": cfg.high_watermark, "low_watermark": cfg.low_watermark,
-                    **self.mover.counters[name]}
+                    "high_watermark": cfg.high_watermark if cfg else 1.0,
+                    "low_watermark": cfg.low_watermark if cfg else 1.0,
+                    **counts["tiers"][name]}
             tiers["hot"]["allocated_pages"] = len(self._owned)
             tiers["warm"]["allocated_pages"] = len(self._warm_owned)
             tiers["warm"]["leased_pages"] = sum(1 for e in self.index.warm_slots.values() if e.leases)
             tiers["warm"]["loading_pages"] = len(self.mover.reading)
             return {"page_bytes": self.spec.page_bytes, "spec": self.spec.describe(), "tiers": tiers,
-                    "bytes_moved": dict(self.mover.bytes_moved), "entries": len(self.index),
-                    "corrupt_pages": self.mover.corrupt_pages, "mismatched_pages": self.mismatched_pages,
-                    "dropped_pages": self.mover.dropped_pages, "cold_write_errors": self.io.write_errors,
+                    "bytes_moved": counts["bytes_moved"], "entries": len(self.index),
+                    "corrupt_pages": counts["corrupt_pages"], "mismatched_pages": counts["mismatched_pages"],
+                    "dropped_pages": counts["dropped_pages"], "cold_write_errors": self.io.write_errors,
                     "cold": self.cold_state(), "cold_indexing": dict(self.indexing),
                     "eviction_policy": self.mover.policy, "write_policy": self.config.write_policy}
 
@@ -646,10 +495,9 @@ class TieredStore(WarmSharing):
         check reads every record's key (LMDB): `cold=False` skips it (the engine's debug checks)."""
         with self._lock:
             problems = []
-            held = {s for s, e in self.index.hot_slots.items()}
-            for pool, name, slots in ((self.hot.pool, "hot", held | self._owned),
-                                      (self.warm.pool, "warm", set(self.index.warm_slots) | self._warm_owned
-                                       | self.mover.reading)):
+            owned = {"hot": self._owned, "warm": self._warm_owned | self.mover.reading}
+            for name in (t for t in self.mover.names if t in self.mover.memory):
+                pool, slots = self._by_name[name].pool, set(self.index.at[name]) | owned.get(name, set())
                 used = {s for s in range(pool.num_slots) if pool.is_used(s)}
                 if used != slots:
                     problems.append(f"{name}: {len(used)} slots used, {len(slots)} accounted for")
@@ -659,8 +507,8 @@ class TieredStore(WarmSharing):
                 in_flight = self.mover.deleting | {e.key for e in self.index.entries.values() if e.writing}
                 if not cold_keys <= records or not records <= cold_keys | self.mover.unindexed | in_flight:
                     problems.append("cold: records and index disagree")
-            for tier in (self.hot, self.warm, self.cold):
-                if tier is not None and tier.used_bytes > tier.capacity_bytes:
+            for tier in self.tiers:
+                if tier.used_bytes > tier.capacity_bytes:
                     problems.append(f"{tier.name}: {tier.used_bytes} bytes used > {tier.capacity_bytes}")
             for e in self.index.entries.values():
                 if not e.residency:

@@ -43,7 +43,7 @@ class Model:
 
     def __init__(self, policy: str):
         self.index = PageIndex(policy)
-        self.mover = PageMover(None, None, None, None, self.index, policy, lambda *a: None)
+        self.mover = PageMover(None, [], self.index, policy, lambda *a: None)
         self.next_slot = 0
         self.next_key = 0
 
@@ -188,7 +188,7 @@ def test_victims_never_scan_the_tier():
     """Choosing 8 victims among 20K cold entries pops about 8 items, not the tier."""
     model = Model("lru")
     for i in range(20_000):
-        model.index.add(PageEntry(i.to_bytes(4, "little"), b"root", b"ns", b"", cold=True))
+        model.index.add(PageEntry(i.to_bytes(4, "little"), b"root", b"ns", b"", where={"cold": True}))
     model.mover.victims("cold", 8)   # the first read takes in the 20K additions
     calls = count_key_calls(model.index._queue("lru", "cold"))
     got = model.mover.victims("cold", 8)

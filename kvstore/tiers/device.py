@@ -4,7 +4,7 @@ Layout: one tensor per layer in FlashInfer's NHD paged layout, all views of one 
     kv     [layers, pages, 2, page_size, kv_heads, head_dim]
     layers [pages, 2, page_size, kv_heads, head_dim]  (kv[l])
 
-Rules: slots come from a SlotPool; a slot's bytes are whatever was last written. Copies to and
+Rules: a SlotTier (tiers/base.py): slots come from a SlotPool; a slot's bytes are whatever was last written. Copies to and
 from the warm tier complete before the call returns (on CUDA they run on a dedicated copy
 stream that first waits for the compute stream, and end with an event), so the caller may free
 the source slot at once. Callers hold the store lock.
@@ -15,8 +15,16 @@ from __future__ import annotations
 import torch
 
 from kvstore.spec import KVSpec
-from kvstore.tiers.base import SlotPool, Tier, runs
+from kvstore.tiers.base import TIER_BACKENDS, SlotPool, SlotTier, done, runs
 from kvstore.tiers.host import HostTier
+
+
+@TIER_BACKENDS.register("device")
+def device_tier(role: str, spec: KVSpec, num_slots: int, device: str | torch.device = "cpu", **_) -> DeviceTier:
+    """The paged KV pool on the GPU (or CPU): the hot tier."""
+    tier = DeviceTier(spec, num_slots, device)
+    tier.name = role
+    return tier
 
 
 def resolve_device(name: str) -> torch.device:
@@ -25,7 +33,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class DeviceTier(Tier):
+class DeviceTier(SlotTier):
     name = "hot"
 
     def __init__(self, spec: KVSpec, num_pages: int, device: str | torch.device = "cpu"):
@@ -40,13 +48,27 @@ class DeviceTier(Tier):
         self.on_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self.num_pages * self.spec.page_bytes
+    # the tier interface: the warm tier has fast paths (save_to, load_from), others go through host bytes
+    def payloads(self, slots) -> list:
+        gathered = self.gather(list(slots)).cpu() if slots else None   # [n, layers, 2, page_size, kv_heads, head_dim]
+        return [gathered[i].view(torch.uint8).reshape(-1).numpy() for i in range(len(slots))]
 
-    @property
-    def used_bytes(self) -> int:
-        return self.pool.num_used * self.spec.page_bytes
+    def store_pages(self, slots, payloads) -> None:
+        if slots:
+            pages = torch.stack([torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads])
+            self.scatter(list(slots), pages.view(self.spec.torch_dtype))
+
+    def read_into(self, handles, dst, dst_slots):
+        if isinstance(dst, HostTier):
+            self.save_to(list(handles), dst, list(dst_slots))
+            return done([True] * len(handles))
+        return super().read_into(handles, dst, dst_slots)
+
+    def write_from(self, src, src_slots, handles):
+        if isinstance(src, HostTier):
+            self.load_from(list(handles), src, list(src_slots))
+            return done([True] * len(handles))
+        return super().write_from(src, src_slots, handles)
 
     # page-first views of single pages (tests, the engine, the sidecar)
     def read_page(self, slot: int) -> torch.Tensor:

@@ -59,11 +59,10 @@ Rules:
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
-import struct
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
@@ -73,111 +72,25 @@ import lmdb
 import numpy as np
 
 from kvstore import record
-from kvstore.datadir import DIR_MODE, make_private_dirs
+from kvstore.datadir import make_private_dirs
 from kvstore.errors import DamagedStore, KVStoreError
 from kvstore.record import RecordError, RecordHeader
 from kvstore.spec import KVSpec
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import TIER_BACKENDS, Tier, done
 from kvstore.tiers.buffers import (MiB, RemapLock, as_byte_array, as_byte_view, early_writeback, keep_write_buffers,
                                    round_up)
-from kvstore.tiers.lmdb_file import LmdbFile, check_data_file
+from kvstore.tiers.lmdb_env import (META_DB, PAGES_DB, QUARANTINE_DB, ColdFull,  # noqa: F401 (re-exported)
+                                    count_totals, damage_remedy, data_file_size, open_env, open_error, read_totals,
+                                    set_aside, write_totals)
+from kvstore.tiers.lmdb_file import check_data_file
 
-PAGES_DB = b"pages"
-QUARANTINE_DB = b"quarantine"
-META_DB = b"meta"
-TOTALS_KEY = b"totals"          # in `meta`: bytes and count of the records in `pages`
-_TOTALS = struct.Struct("<QQ")  # u64 LE bytes, u64 LE records
+log = logging.getLogger("kvstore.store")
+
 _SCAN_CHUNK = 4096              # records read per read transaction in scan() and sizes()
 _READ_GROUP_BYTES = 4 * MiB     # read_many gives a thread at least this many page bytes
 _EARLY_WRITEBACK_BYTES = 8 * MiB   # commits this large start the disk while they still copy
 _RESERVE_PAGES = 64     # LMDB pages kept free on disk for the copies a delete transaction makes
-
 K = TypeVar("K", bound=tuple)
-# errors liblmdb raises for a file it finds inconsistent (others: permissions, locks, resources)
-DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
-                 lmdb.PanicError, lmdb.IncompatibleError, lmdb.BadDbiError)
-
-
-class ColdFull(KVStoreError):
-    """A write found no room: cold.max_bytes, the map at cold.map_size_max, or the filesystem is
-    full. Nothing of it was written; deleting records makes room."""
-
-
-def open_env(path: str, map_size: int, readonly: bool = False) -> lmdb.Environment:
-    """The LMDB environment of a cold store: durable commits, no writable map, private files
-    (the directory 0700, data.mdb and lock.mdb 0600: LMDB drops the execute bits)."""
-    return lmdb.open(path, map_size=map_size, subdir=True, readonly=readonly, create=not readonly,
-                     max_dbs=3, sync=True, metasync=True, writemap=False, lock=True,
-                     map_async=False, readahead=True, mode=DIR_MODE)
-
-
-def damage_remedy(path: str) -> str:
-    return (f"run `kvstore fsck --repair --path {path}` (it keeps every record that still reads), or set "
-            f"cold.on_damage: quarantine (the store is set aside and the tier starts empty)")
-
-
-def open_error(path: str, exc: lmdb.Error) -> KVStoreError:
-    """What an LMDB error while opening the store at `path` means to the user."""
-    if isinstance(exc, DAMAGE_ERRORS):
-        return DamagedStore(os.path.join(path, "data.mdb"), f"LMDB cannot read it ({exc})", damage_remedy(path))
-    return KVStoreError(f"cannot open cold tier at {path}: {exc}")
-
-
-def set_aside(path: str) -> tuple[str, int | None]:
-    """Move the (damaged) store at `path` to `<path>.damaged-<time>` and return that path and the
-    pages it held: as its committed state counts them, else the values still found in the file
-    (None: no file). A new store can then open at `path`."""
-    try:
-        with LmdbFile(path) as f:
-            pages = f.entries(PAGES_DB)
-            if pages is None:
-                pages = sum(1 for _ in f.overflow_runs(skip=True))
-    except OSError:
-        pages = None
-    aside = sibling(path, "damaged")
-    try:
-        os.rename(path, aside)
-    except OSError as exc:
-        raise KVStoreError(f"cannot move the damaged cold store {path} aside: {exc.strerror}") from None
-    return aside, pages
-
-
-def sibling(path: str, what: str) -> str:
-    """A free name next to `path`: `<path>.<what>-<time>` (and a number, if that is taken)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    name, n = f"{path}.{what}-{stamp}", 1
-    while os.path.lexists(name):
-        n += 1
-        name = f"{path}.{what}-{stamp}-{n}"
-    return name
-
-
-def data_file_size(path: str) -> int:
-    try:
-        return os.path.getsize(os.path.join(path, "data.mdb"))
-    except OSError:
-        return 0
-
-
-def read_totals(txn: lmdb.Transaction, meta) -> tuple[int, int] | None:
-    """(bytes, records) of `pages` as `meta` records them; None when it does not."""
-    value = txn.get(TOTALS_KEY, db=meta)
-    if value is None or len(value) != _TOTALS.size:
-        return None
-    return _TOTALS.unpack(value)
-
-
-def write_totals(txn: lmdb.Transaction, meta, nbytes: int, records: int) -> None:
-    txn.put(TOTALS_KEY, _TOTALS.pack(nbytes, records), db=meta)
-
-
-def count_totals(txn: lmdb.Transaction, pages) -> tuple[int, int]:
-    """(bytes, records) of `pages`, counted: O(records), but reads only LMDB's leaf pages."""
-    nbytes = records = 0
-    for value in txn.cursor(db=pages).iternext(keys=False, values=True):
-        nbytes += len(value)
-        records += 1
-    return nbytes, records
 
 
 @dataclass
@@ -193,6 +106,8 @@ _STOP = object()
 
 class DiskTier(Tier):
     name = "cold"
+    keyed = True
+    io = True
 
     def __init__(self, path: str, spec: KVSpec, max_bytes: int, map_size_max: int,
                  write_batch: int = 64, map_size_initial: int = 64 * MiB, read_threads: int = 0):
@@ -561,6 +476,23 @@ class DiskTier(Tier):
         self.map_size = new_size
         self.map_grows += 1
 
+    # --- the tier interface (handles: keys; reads and writes take RecordHeaders) --
+
+    def contains(self, handles: Sequence[bytes]) -> list[bool]:
+        return [size > 0 for size in self._stored_sizes(handles).values()]
+
+    def read_into(self, handles: Sequence[RecordHeader], dst, dst_slots: Sequence[int]) -> Future:
+        """read_many into dst's slots, on the caller's thread: the future is done on return."""
+        return done(self.read_many([(h.key, h.namespace, h.tokens, h.spec, out)
+                                    for h, out in zip(handles, dst.targets(dst_slots))]))
+
+    def write_from(self, src, src_slots: Sequence[int], handles: Sequence[RecordHeader]) -> Future:
+        """put_many of src's slots: they must stay unchanged until the future resolves."""
+        return self.put_many(zip(handles, src.payloads(src_slots)))
+
+    def evict(self, handles: Sequence[bytes]) -> Future:
+        return self.delete_many(handles)
+
     # --- reads ------------------------------------------------------------------
 
     def read(self, key: bytes, expect_namespace: bytes, expect_tokens: bytes, expect_spec: bytes,
@@ -691,6 +623,24 @@ class DiskTier(Tier):
     def __repr__(self) -> str:
         return (f"DiskTier({self.path!r}, {self._count} pages, {self._used}/{self.max_bytes} bytes, "
                 f"map {self.map_size}/{self.map_size_max})")
+
+
+@TIER_BACKENDS.register("lmdb")
+def lmdb_tier(role: str, spec: KVSpec, path: str, max_bytes: int, map_size_max: int, write_batch: int = 64,
+              on_damage: str = "refuse", **_) -> DiskTier:
+    """The cold tier; a damaged store is refused, or set aside under on_damage = quarantine."""
+    try:
+        tier = DiskTier(path, spec, max_bytes, map_size_max, write_batch)
+    except DamagedStore as exc:
+        if on_damage != "quarantine":
+            raise
+        aside, pages = set_aside(str(path))
+        log.error("the cold store at %s is damaged (%s): cold.on_damage is quarantine, so it was moved to %s "
+                  "with %s pages set aside; the cold tier starts empty", path, exc.reason, aside,
+                  "its" if pages is None else pages)
+        tier = DiskTier(path, spec, max_bytes, map_size_max, write_batch)
+    tier.name = role
+    return tier
 
 
 def _scan_item(key: memoryview, value: memoryview) -> tuple[bytes, RecordHeader | None, int]:

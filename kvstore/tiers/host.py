@@ -5,7 +5,7 @@ same memory as bytes (what the cold tier reads and writes). The buffer is pinned
 present (fast, async DMA to and from the hot tier), and may live in a POSIX shared-memory
 segment so another process (the sidecar's client) can map it.
 
-Rules: slots come from a SlotPool; a slot's bytes are undefined until written. Callers hold
+Rules: a SlotTier (tiers/base.py): slots come from a SlotPool; a slot's bytes are undefined until written. Callers hold
 the store lock while they allocate, free or write slots. A shared segment is named by the
 caller (DataDir.shm_name: one name per data directory, 0600) and unlinked by `close`; the
 caller holds the data directory's lock, so a segment of that name found at start was left by
@@ -20,19 +20,19 @@ from multiprocessing import shared_memory
 import torch
 
 from kvstore.spec import KVSpec
-from kvstore.tiers.base import SlotPool, Tier
+from kvstore.tiers.base import TIER_BACKENDS, SlotPool, SlotTier
+from kvstore.tiers.buffers import as_byte_view
 
 log = logging.getLogger("kvstore.warm")
 
 
-class HostTier(Tier):
+class HostTier(SlotTier):
     name = "warm"
 
     def __init__(self, spec: KVSpec, num_slots: int, pin: bool | None = None, shared: bool = False,
                  shm_name: str | None = None):
         """`shared`: in a POSIX shared-memory segment, named `shm_name` (random when None)."""
         super().__init__(spec)
-        self.num_slots = num_slots
         nbytes = num_slots * spec.page_bytes
         self.shm: shared_memory.SharedMemory | None = None
         self._registered_ptr: int | None = None
@@ -54,13 +54,16 @@ class HostTier(Tier):
     def shm_name(self) -> str | None:
         return self.shm.name if self.shm else None
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self.num_slots * self.spec.page_bytes
+    def payloads(self, slots) -> list:
+        return [self.raw[s].numpy() for s in slots]   # views: valid while the slots hold these pages
 
-    @property
-    def used_bytes(self) -> int:
-        return self.pool.num_used * self.spec.page_bytes
+    def targets(self, slots) -> list:
+        """Writable host views of these slots (what an I/O tier reads into)."""
+        return [self.raw[s] for s in slots]
+
+    def store_pages(self, slots, payloads) -> None:
+        for s, p in zip(slots, payloads):
+            self.raw[s].numpy()[:] = as_byte_view(p)
 
     def close(self) -> None:
         self.raw = self.pages = torch.empty(0)
@@ -70,6 +73,15 @@ class HostTier(Tier):
             self.shm.close()
             self.shm.unlink()
             self.shm = None
+
+
+@TIER_BACKENDS.register("host")
+def host_tier(role: str, spec: KVSpec, num_slots: int, shared: bool = False, shm_name: str | None = None,
+              **_) -> HostTier:
+    """Pinned host memory (a shared-memory segment when `shared`): the warm tier."""
+    tier = HostTier(spec, num_slots, shared=shared, shm_name=shm_name)
+    tier.name = role
+    return tier
 
 
 def _create_segment(name: str | None, nbytes: int) -> shared_memory.SharedMemory:

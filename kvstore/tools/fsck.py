@@ -38,9 +38,9 @@ from kvstore.datadir import LOCK_FILE, DataDir
 from kvstore.errors import DamagedStore, KVStoreError
 from kvstore.keys import KEY_BYTES
 from kvstore.record import PREFIX_BYTES, RecordError, RecordHeader
-from kvstore.tiers.buffers import round_up
-from kvstore.tiers.disk import (DAMAGE_ERRORS, META_DB, MiB, PAGES_DB, QUARANTINE_DB, data_file_size, open_env,
-                                read_totals, sibling, write_totals)
+from kvstore.tiers.buffers import MiB, round_up
+from kvstore.tiers.lmdb_env import (DAMAGE_ERRORS, META_DB, PAGES_DB, QUARANTINE_DB, data_file_size, open_env,
+                                    read_totals, sibling, write_totals)
 from kvstore.tiers.lmdb_file import LmdbFile, check_data_file
 
 DEFAULT_DATA_DIR = "./kvstore-data"

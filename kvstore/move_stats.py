@@ -1,0 +1,54 @@
+"""MoveStats: the one place that counts what happens to pages, reported by the mover and the store.
+
+Everything goes through `count(event, tier, pages=1, to=None)`:
+
+    hit, miss        a page asked for in `tier` was there, or was not
+    promote          a page came up into `tier` from a lower one
+    evict            a page's copy left `tier`
+    move             pages were copied from `tier` to tier `to` (bytes_moved["<tier>_to_<to>"])
+    corrupt          a cold record failed verification (also a cold miss)
+    drop             cached pages left the store for lack of room
+    mismatch         a key matched but its page did not (tokens, parent or namespace)
+
+`snapshot()` gives what store.stats() reports: counters per tier, bytes moved per direction
+(every pair of tiers, nearest first, then each source into the second tier: peer_to_warm),
+corrupt, dropped and mismatched pages. The caller holds the store's lock.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+COUNTERS = ("hits", "misses", "evictions", "promotions")
+_PER_TIER = {"hit": "hits", "miss": "misses", "evict": "evictions", "promote": "promotions"}
+
+
+def directions(tiers: Sequence[str], sources: Sequence[str] = ("peer",)) -> tuple[str, ...]:
+    """hot_to_warm, warm_to_hot, warm_to_cold, cold_to_warm, hot_to_cold, cold_to_hot, peer_to_warm
+    for the built-in tiers: pairs one apart first, down then up, then those further apart."""
+    out = [f"{a}_to_{b}" for gap in range(1, len(tiers)) for i in range(len(tiers) - gap)
+           for a, b in ((tiers[i], tiers[i + gap]), (tiers[i + gap], tiers[i]))]
+    return (*out, *(f"{s}_to_{tiers[1]}" for s in sources))
+
+
+class MoveStats:
+    def __init__(self, tiers: Sequence[str], page_bytes: int, sources: Sequence[str] = ("peer",)):
+        self.page_bytes = page_bytes
+        self.tiers = {t: dict.fromkeys(COUNTERS, 0) for t in tiers}
+        self.bytes_moved = dict.fromkeys(directions(tiers, sources), 0)
+        self.pages = {"corrupt": 0, "drop": 0, "mismatch": 0}
+
+    def count(self, event: str, tier: str | None = None, pages: int = 1, to: str | None = None) -> None:
+        if event == "move":
+            self.bytes_moved[f"{tier}_to_{to}"] += pages * self.page_bytes
+        elif event in _PER_TIER:
+            self.tiers[tier][_PER_TIER[event]] += pages
+        else:
+            if event == "corrupt":
+                self.tiers[tier]["misses"] += pages
+            self.pages[event] += pages
+
+    def snapshot(self) -> dict:
+        return {"tiers": {t: dict(c) for t, c in self.tiers.items()}, "bytes_moved": dict(self.bytes_moved),
+                "corrupt_pages": self.pages["corrupt"], "dropped_pages": self.pages["drop"],
+                "mismatched_pages": self.pages["mismatch"]}
