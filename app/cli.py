@@ -7,8 +7,7 @@ from engine.config import Config
 from kvstore import cli
 
 # in the order `kvstore --help` lists them
-COMMANDS: tuple = ("kvstore.tools.plan", cli.add_config_command, "kvstore.tools.fsck", "kvstore.tools.bench",
-                   "app.serve", "kvstore.tools.inspect", "kvstore.sidecar.command", ("app.job.cli", "job"))
+COMMANDS: tuple = (*cli.COMMANDS[:4], ("serve", "app.serve"), *cli.COMMANDS[4:], ("job", "app.job.cli"))
 
 
 def build_parser():

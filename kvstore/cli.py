@@ -133,12 +133,11 @@ def add_config_command(subparsers) -> None:
     p.set_defaults(func=_run_config)
 
 
-def _add_module_command(subparsers, module_name: str, name: str | None = None) -> None:
+def _add_module_command(subparsers, module_name: str, name: str) -> None:
     """Register a module's subcommand; if the module cannot be imported, a stub that says so."""
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        name = name or module_name.rsplit(".", 1)[-1]
         why = f"{module_name} cannot be imported: {exc}"
         p = subparsers.add_parser(name, help=f"(unavailable in this build: {exc})")
         p.set_defaults(func=lambda args: _unavailable(name, why), any_arguments=True)
@@ -151,25 +150,37 @@ def _unavailable(name: str, why: str) -> int:
     return 2
 
 
-# The store's commands, in the order `kvstore --help` lists them: a module with add_parser (or
-# (module, command name)), or a function registering the command. An application adds its own (app.cli).
-COMMANDS: tuple = ("kvstore.tools.plan", add_config_command, "kvstore.tools.fsck", "kvstore.tools.bench",
-                   "kvstore.tools.inspect", "kvstore.sidecar.command")
+# The store's commands, in the order `kvstore --help` lists them: (name, the module whose add_parser
+# registers it, or a function that does). An application adds its own (app.cli).
+COMMANDS: tuple = (("plan", "kvstore.tools.plan"), ("config", add_config_command), ("fsck", "kvstore.tools.fsck"),
+                   ("bench", "kvstore.tools.bench"), ("inspect", "kvstore.tools.inspect"),
+                   ("sidecar", "kvstore.sidecar.command"))
 
 
-def build_parser(commands: tuple = COMMANDS, config_root: type[Config] = Config) -> argparse.ArgumentParser:
-    """The `kvstore` command line with `commands`, whose config is the tree `config_root`."""
+def build_parser(commands: tuple = COMMANDS, config_root: type[Config] = Config,
+                 only: str | None = None) -> argparse.ArgumentParser:
+    """The `kvstore` command line with `commands`, whose config is the tree `config_root`. With
+    `only`, that command alone is registered: the other modules (torch, the store...) are not
+    imported, so a command starts at once."""
     parser = CommandParser(prog="kvstore", description=DESCRIPTION, epilog=EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
     parser.set_defaults(config_root=config_root)
     subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND", required=True)
-    for command in commands:
-        if callable(command):
-            command(subparsers)
+    for name, target in commands:
+        if only is not None and name != only:
+            continue
+        if callable(target):
+            target(subparsers)
         else:
-            _add_module_command(subparsers, *(command if isinstance(command, tuple) else (command,)))
+            _add_module_command(subparsers, target, name)
     return parser
+
+
+def chosen_command(argv: list[str], commands: tuple) -> str | None:
+    """The command argv names (the first word that is not an option), if it is one of `commands`."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in {name for name, _ in commands} else None
 
 
 def _error(message: str) -> int:
@@ -179,8 +190,9 @@ def _error(message: str) -> int:
 
 def main(argv: list[str] | None = None, commands: tuple = COMMANDS, config_root: type[Config] = Config) -> int:
     """Run the `kvstore` command; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = parse_command_line(build_parser(commands, config_root), argv)
+        args = parse_command_line(build_parser(commands, config_root, chosen_command(argv, commands)), argv)
     except SystemExit as exc:  # argparse: --help and --version (0), usage errors (2)
         return exc.code if isinstance(exc.code, int) else 2
     except KVStoreError as exc:

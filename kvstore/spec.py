@@ -6,19 +6,18 @@ import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
+from typing import TYPE_CHECKING
+
 import blake3
-import torch
 
 from kvstore.errors import ConfigError
 
-# name -> (torch dtype, bytes per element)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "float32": (torch.float32, 4),
-    "float16": (torch.float16, 2),
-    "bfloat16": (torch.bfloat16, 2),
-    "float8_e4m3fn": (torch.float8_e4m3fn, 1),
-    "float8_e5m2": (torch.float8_e5m2, 1),
-}
+if TYPE_CHECKING:
+    import torch
+
+# name (torch's) -> bytes per element. torch itself loads only when a tensor is made, so that the
+# config and the commands that only read it (plan, config, --help) start at once.
+DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
                  "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
@@ -61,12 +60,14 @@ class KVSpec:
             raise ConfigError("page_size", self.page_size, "must be a positive power of two (e.g. 16)")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype][1]
+        return DTYPES[self.dtype]
 
     @property
     def token_bytes(self) -> int:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from app.cli import main
+from conftest import clean_env
 
 COMMANDS = ["plan", "config", "fsck", "bench", "serve", "inspect", "sidecar", "job"]
 
@@ -200,3 +203,13 @@ def test_serve_help_names_the_api():
     for endpoint in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
                      "/version", "/health", "/metrics", "server.api_keys", "server.trust_tenant_header"):
         assert endpoint in SERVE_DESCRIPTION, endpoint
+
+
+@pytest.mark.parametrize("argv", [["config", "--keys"], ["job", "run", "--help"], ["plan", "--help"],
+                                  ["inspect", "stats", "--help"]])
+def test_a_command_starts_without_loading_torch(argv):
+    """Only the chosen command's module is imported, and the config does not need torch: a
+    command (a job's progress bar) shows up at once, not after a second or two of imports."""
+    code = f"import sys; from app.cli import main; main({argv!r}); print('torch' in sys.modules, file=sys.stderr)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert proc.stderr.strip().splitlines()[-1] == "False", proc.stderr

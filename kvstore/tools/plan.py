@@ -104,11 +104,11 @@ def plan(*, context: int, concurrency: int, model: str | None = None,
     slack = _number("--margin", margin, "a number in [0, 1] (0.2 to 0.3 recommended)", lambda v: 0 <= v <= 1)
     n_params = None if params is None else parse_params(params)
 
-    token_bytes = 2 * layers * kv_heads * head_dim * DTYPES[kv_dtype][1]
+    token_bytes = 2 * layers * kv_heads * head_dim * DTYPES[kv_dtype]
     seq_bytes = context * token_bytes
     pool = concurrency * seq_bytes
     pool_with_margin = math.ceil(pool * (1 + slack))
-    weights = 0 if n_params is None else n_params * DTYPES[w_dtype][1]
+    weights = 0 if n_params is None else n_params * DTYPES[w_dtype]
     gpu_bytes = math.floor(gpu * GIB)
     budget = math.floor(gpu_bytes * ratio)
     beside_kv = gpu_bytes - budget
