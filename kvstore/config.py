@@ -119,6 +119,8 @@ class HotConfig:
     high_watermark: float = opt(0.90, _float, "a number in (0, 1]", _unit)
     low_watermark: float = opt(0.75, _float, "a number in (0, 1] below high_watermark", _unit)
     allocate_timeout_s: float = opt(5.0, _float, "seconds >= 0", lambda v: v >= 0)
+    backend: str = opt("device", _str, "a tier backend registered under the entry point group "
+                                           "kvstore.tiers (built in: device)")
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,8 @@ class WarmConfig:
     high_watermark: float = opt(0.90, _float, "a number in (0, 1]", _unit)
     low_watermark: float = opt(0.75, _float, "a number in (0, 1] below high_watermark", _unit)
     shared_memory: bool = opt(False, _bool, "true or false")
+    backend: str = opt("host", _str, "a tier backend registered under the entry point group "
+                                           "kvstore.tiers (built in: host)")
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,8 @@ class ColdConfig:
     write_batch: int = opt(64, _int, "an integer >= 1", lambda v: v >= 1)
     on_damage: str = opt("refuse", _str, f"one of {', '.join(ON_DAMAGE)} (a damaged LMDB file at start: refuse to "
                          "start, or set the store aside and start empty)", lambda v: v in ON_DAMAGE)
+    backend: str = opt("lmdb", _str, "a tier backend registered under the entry point group "
+                                           "kvstore.tiers (built in: lmdb)")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The store's tiers, built by name from the registry (TIER_BACKENDS) and the config's sections.
 
-The built-in layout is fixed by role: hot is a `device` tier (config hot.*), warm a `host` tier
-(warm.*), cold an `lmdb` tier (cold.*, when cold.enabled). Extra tiers, (role, backend,
+The layout is fixed by role: hot (config hot.*), warm (warm.*), cold (cold.*, when
+cold.enabled); each role's backend is its section's `backend` key (built in: `device`, `host`,
+`lmdb`), any backend registered under the entry point group `kvstore.tiers`, which gets the
+section's settings. Extra tiers, (role, backend,
 settings) with any backend registered under the entry point group `kvstore.tiers`, sit between
 warm and cold in the order given. Slower tiers open first, so a refused cold store costs no
 memory; on failure the tiers already open are closed.
@@ -14,6 +16,7 @@ from typing import Sequence
 import torch
 
 from kvstore.config import Config
+from kvstore.errors import ConfigError
 from kvstore.spec import KVSpec
 from kvstore.tiers import device, disk, host  # noqa: F401 (they register the built-in backends)
 from kvstore.tiers.base import TIER_BACKENDS, Tier
@@ -24,15 +27,24 @@ Layer = tuple[str, str, dict]   # (role, backend name, settings)
 def layout(config: Config, spec: KVSpec, device_: torch.device, pool_bytes: int, shm_name: str | None,
            extra: Sequence[Layer] = ()) -> list[Layer]:
     """(role, backend, settings) of each tier, fastest first, from the config's hot, warm and cold sections."""
-    layers = [("hot", "device", {"num_slots": pool_bytes // spec.page_bytes, "device": device_}),
-              ("warm", "host", {"num_slots": config.warm.bytes // spec.page_bytes,
-                                "shared": config.warm.shared_memory, "shm_name": shm_name}),
+    layers = [("hot", config.hot.backend, {"num_slots": pool_bytes // spec.page_bytes, "device": device_}),
+              ("warm", config.warm.backend, {"num_slots": config.warm.bytes // spec.page_bytes,
+                                             "shared": config.warm.shared_memory, "shm_name": shm_name}),
               *extra]
     if config.cold.enabled:
-        layers.append(("cold", "lmdb", {"path": config.cold_path, "max_bytes": config.cold.max_bytes,
+        layers.append(("cold", config.cold.backend, {"path": config.cold_path, "max_bytes": config.cold.max_bytes,
                                         "map_size_max": config.cold_map_size_max,
                                         "write_batch": config.cold.write_batch, "on_damage": config.cold.on_damage}))
     return layers
+
+
+def backend_of(role: str, name: str):
+    """The factory registered as `name`; ConfigError naming `<role>.backend` when there is none."""
+    try:
+        return TIER_BACKENDS.get(name)
+    except ConfigError:
+        raise ConfigError(f"{role}.backend", name, "must be a tier backend registered under the entry point "
+                                                   f"group kvstore.tiers: {', '.join(TIER_BACKENDS.names())}") from None
 
 
 def build_tiers(spec: KVSpec, layers: Sequence[Layer]) -> list[Tier]:
@@ -41,7 +53,7 @@ def build_tiers(spec: KVSpec, layers: Sequence[Layer]) -> list[Tier]:
     try:
         for i in reversed(range(len(layers))):
             role, backend, settings = layers[i]
-            built[i] = TIER_BACKENDS.get(backend)(role, spec, **settings)
+            built[i] = backend_of(role, backend)(role, spec, **settings)
     except BaseException:
         for tier in built.values():
             tier.close()

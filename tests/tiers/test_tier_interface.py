@@ -126,3 +126,23 @@ def test_peer_pages_are_a_read_only_source_read_into_warm(tmp_path):
 def _decode(blobs):
     from kvstore import record
     return [record.decode(blob) for blob in blobs]
+
+
+def test_the_config_chooses_each_tier_backend_by_name(tmp_path):
+    """hot.backend, warm.backend and cold.backend name registered backends; one that is not
+    registered is refused naming the key (the tiers built by then are closed)."""
+    built = []
+
+    def counting_host(role, spec, **settings):
+        built.append((role, sorted(settings)))
+        return TIER_BACKENDS.get("host")(role, spec, **settings)
+
+    TIER_BACKENDS.register("test-counting-host")(counting_host)
+    s = TieredStore(make_config(tmp_path / "a", **{"warm.backend": "test-counting-host"}))
+    try:
+        assert built == [("warm", ["num_slots", "shared", "shm_name"])] and s.tiers[1].name == "warm"
+    finally:
+        s.close()
+    for key in ("hot.backend", "warm.backend", "cold.backend"):
+        with pytest.raises(ConfigError, match=f"^{key} = 'no-such-tier': must be a tier backend registered"):
+            TieredStore(make_config(tmp_path / key, **{key: "no-such-tier"}))
