@@ -1,5 +1,9 @@
 """DiskTier: the cold tier, page records in LMDB on local disk.
 
+This module holds its opening, accounting, room and the tier interface; its writer thread is
+LmdbWriter (lmdb_writer.py), its reads LmdbReader (lmdb_reader.py), its LMDB environment
+lmdb_env.py. The rules below are the whole tier's.
+
 Rules:
 - It stores and deletes whole records under their page key, in the LMDB sub-database
   `pages` (`quarantine` holds what `kvstore fsck --repair` set aside). Values are
@@ -64,47 +68,30 @@ import os
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from itertools import islice
-from typing import Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Iterable, Sequence
 
 import lmdb
-import numpy as np
 
 from kvstore import record
 from kvstore.datadir import make_private_dirs
 from kvstore.errors import DamagedStore, KVStoreError
-from kvstore.record import RecordError, RecordHeader
+from kvstore.record import RecordHeader
 from kvstore.spec import KVSpec
 from kvstore.tiers.base import TIER_BACKENDS, Tier, done
-from kvstore.tiers.buffers import (MiB, RemapLock, as_byte_array, as_byte_view, early_writeback, keep_write_buffers,
-                                   round_up)
+from kvstore.tiers.buffers import MiB, RemapLock, keep_write_buffers, round_up
 from kvstore.tiers.lmdb_env import (META_DB, PAGES_DB, QUARANTINE_DB, ColdFull,  # noqa: F401 (re-exported)
                                     count_totals, damage_remedy, data_file_size, open_env, open_error, read_totals,
                                     set_aside, write_totals)
 from kvstore.tiers.lmdb_file import check_data_file
+from kvstore.tiers.lmdb_reader import LmdbReader
+from kvstore.tiers.lmdb_writer import STOP, LmdbWriter
 
 log = logging.getLogger("kvstore.store")
 
-_SCAN_CHUNK = 4096              # records read per read transaction in scan() and sizes()
-_READ_GROUP_BYTES = 4 * MiB     # read_many gives a thread at least this many page bytes
-_EARLY_WRITEBACK_BYTES = 8 * MiB   # commits this large start the disk while they still copy
 _RESERVE_PAGES = 64     # LMDB pages kept free on disk for the copies a delete transaction makes
-K = TypeVar("K", bound=tuple)
 
 
-@dataclass
-class _Request:
-    puts: list[tuple[bytes, list, int]] = field(default_factory=list)   # (key, record parts, length)
-    deletes: list[bytes] = field(default_factory=list)
-    reserved: int = 0   # bytes this request counts against max_bytes until it commits
-    future: Future = field(default_factory=Future)
-
-
-_STOP = object()
-
-
-class DiskTier(Tier):
+class DiskTier(LmdbWriter, LmdbReader, Tier):
     name = "cold"
     keyed = True
     io = True
@@ -284,200 +271,6 @@ class DiskTier(Tier):
 
     # --- writes -----------------------------------------------------------------
 
-    def put_many(self, items: Iterable[tuple[RecordHeader, object]]) -> Future:
-        """Queue records (header, payload) for one durable write; the future resolves after commit.
-
-        The payload (CPU tensor, numpy array, bytes, memoryview) is checksummed now and
-        copied by the writer thread: it must stay alive and unchanged until the future
-        resolves (a payload changed in between is stored with a bad checksum, so it
-        reads as damaged, never as wrong data). Raises KVStoreError, writing nothing,
-        when the batch would take the tier above max_bytes.
-        """
-        puts = []
-        for header, payload in items:
-            view = as_byte_view(payload)
-            if view.nbytes != header.nbytes:
-                raise ValueError(f"payload is {view.nbytes} bytes, header says {header.nbytes}")
-            parts = record.encode(header, view)
-            puts.append((header.key, parts, sum(len(p) for p in parts)))
-        req = _Request(puts=puts)
-        self._wait_counted()
-        # Overwrites reserve only what they add. A record deleted between this lookup and the
-        # commit frees its bytes at the same time, so the limit holds either way.
-        stored = self._stored_sizes({key for key, _, _ in puts})
-        with self._lock:
-            self._check_open()
-            req.reserved = max(0, sum(n for _, _, n in puts) - sum(stored.values()))
-            if self._used + self._reserved + req.reserved > self.max_bytes:
-                raise ColdFull(
-                    f"cold tier is full: {req.reserved} more bytes would take it above cold.max_bytes "
-                    f"= {self.max_bytes} (used {self._used}, pending {self._reserved}); evict first")
-            self._reserved += req.reserved
-            self._queue.put(req)
-        return req.future
-
-    def delete_many(self, keys: Iterable[bytes]) -> Future:
-        """Queue deletes (missing keys are ignored); the future resolves after commit."""
-        req = _Request(deletes=[bytes(k) for k in keys])
-        self._wait_counted()
-        with self._lock:
-            self._check_open()
-            self._queue.put(req)
-        return req.future
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until every write queued before this call has committed (or failed)."""
-        with self._lock:
-            self._check_open()
-            req = _Request()
-            self._queue.put(req)
-        req.future.result(timeout)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise KVStoreError(f"cold tier at {self.path} is closed")
-
-    def _write_loop(self) -> None:
-        if not self._counted.is_set():
-            self._count_totals()
-        stop = False
-        while not stop:
-            first = self._queue.get()
-            if first is _STOP:
-                break
-            batch = [first]
-            while len(batch) < self.write_batch:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is _STOP:
-                    stop = True
-                    break
-                batch.append(nxt)
-            live = []
-            for req in batch:
-                if req.future.set_running_or_notify_cancel():
-                    live.append(req)
-                else:  # cancelled before it was written: drop it
-                    self._unreserve(req)
-            self._write_batch(live)
-
-    def _unreserve(self, req: _Request) -> None:
-        with self._lock:
-            self._reserved -= req.reserved
-
-    def _write_batch(self, batch: list[_Request]) -> None:
-        try:
-            self._commit(batch)
-        except Exception as exc:
-            if len(batch) > 1:  # one bad request must not sink the others
-                for req in batch:
-                    self._write_batch([req])
-                return
-            if isinstance(exc, lmdb.Error):
-                exc = self._write_error(exc, batch[0])
-            self._unreserve(batch[0])
-            batch[0].future.set_exception(exc)
-            return
-        for req in batch:
-            req.future.set_result(None)
-
-    def _write_error(self, exc: lmdb.Error, req: _Request) -> KVStoreError:
-        """A failed write transaction: ColdFull when the filesystem is out of room (ENOSPC, or the
-        short write LMDB reports as EIO with the disk full), else KVStoreError."""
-        need = sum(n for _, _, n in req.puts)
-        try:
-            st = os.statvfs(self.path)
-            free = st.f_bavail * st.f_frsize
-        except OSError:
-            free = None
-        if isinstance(exc, lmdb.DiskError) or (need and free is not None and free < need + MiB):
-            return ColdFull(f"cold tier write failed at {self.path}: its filesystem is full "
-                            f"({free if free is not None else '?'} bytes free; {exc})")
-        return KVStoreError(f"cold tier write failed at {self.path}: {exc}")
-
-    def _commit(self, batch: list[_Request]) -> None:
-        if not any(r.puts or r.deletes for r in batch):
-            return
-        batch_bytes = sum(n for r in batch for _, _, n in r.puts)
-        keep_write_buffers(self._record_bytes, batch_bytes)
-        self._grow_map(batch_bytes, before=True)
-        while True:
-            try:
-                if batch_bytes >= _EARLY_WRITEBACK_BYTES:
-                    with early_writeback(os.path.join(self.path, "data.mdb")):
-                        used, count = self._write_txn(batch)
-                else:
-                    used, count = self._write_txn(batch)
-                break  # committed
-            except lmdb.MapFullError:
-                self._grow_map()
-        with self._lock:
-            self._used, self._count = used, count
-            for req in batch:
-                self._reserved -= req.reserved
-
-    def _write_txn(self, batch: list[_Request]) -> tuple[int, int]:
-        """One write transaction of the batch, totals in `meta` included; the new totals."""
-        used, count = self._used, self._count   # only this thread changes them
-        with self._env.begin(write=True, buffers=True) as txn:
-            pages = self._pages
-            for req in batch:
-                for key, parts, length in req.puts:
-                    old = txn.get(key, db=pages)   # a view into the map; only its length is used
-                    used += length - (len(old) if old is not None else 0)
-                    count += old is None
-                    txn.put(key, self._assemble(parts, length), db=pages)
-                for key in req.deletes:
-                    old = txn.get(key, db=pages)
-                    if old is not None:
-                        used -= len(old)
-                        count -= 1
-                        txn.delete(key, db=pages)
-            write_totals(txn, self._meta, used, count)
-        return used, count
-
-    def _assemble(self, parts: list, length: int) -> memoryview:
-        """The record in the writer's scratch buffer: one copy, into memory that stays hot.
-
-        LMDB copies the value during put, so the buffer is reused for the next record.
-        """
-        if len(self._scratch) < length:
-            self._scratch = bytearray(length)
-        out = memoryview(self._scratch)[:length]
-        pos = 0
-        for part in parts:  # 1-D byte buffers
-            out[pos:pos + len(part)] = part
-            pos += len(part)
-        return out
-
-    def _grow_map(self, batch_bytes: int = 0, before: bool = False) -> None:
-        """Double the map (up to map_size_max): after MapFullError, or before a batch that cannot fit.
-
-        Growing ahead spares a transaction that would fail halfway; the estimate ignores
-        free pages LMDB may reuse, so ahead of a batch it only grows up to the cap and
-        never fails.
-        """
-        if before:
-            info, psize = self._env.info(), self._env.stat()["psize"]
-            need = (info["last_pgno"] + 1) * psize + batch_bytes + batch_bytes // 8 + MiB
-            if need <= self.map_size or self.map_size >= self.map_size_max:
-                return
-            new_size = self.map_size
-            while new_size < need and new_size < self.map_size_max:
-                new_size = min(new_size * 2, self.map_size_max)
-        elif self.map_size >= self.map_size_max:
-            raise ColdFull(f"cold tier map is full at {self.map_size} bytes (cold.map_size_max)")
-        else:
-            new_size = min(self.map_size * 2, self.map_size_max)
-        with self._remap.exclusive():
-            self._env.set_mapsize(new_size)
-        self.map_size = new_size
-        self.map_grows += 1
-
-    # --- the tier interface (handles: keys; reads and writes take RecordHeaders) --
-
     def contains(self, handles: Sequence[bytes]) -> list[bool]:
         return [size > 0 for size in self._stored_sizes(handles).values()]
 
@@ -495,118 +288,13 @@ class DiskTier(Tier):
 
     # --- reads ------------------------------------------------------------------
 
-    def read(self, key: bytes, expect_namespace: bytes, expect_tokens: bytes, expect_spec: bytes,
-             out) -> bool:
-        """Copy the verified page `key` into `out` (spec.page_bytes bytes); False on any miss
-        (then `out` is untouched, or zeroed if the checksum failed)."""
-        return self.read_many([(key, expect_namespace, expect_tokens, expect_spec, out)])[0]
-
-    def read_many(self, requests: Sequence[tuple[bytes, bytes, bytes, bytes, object]],
-                  threads: int | None = None) -> list[bool]:
-        """Several reads (key, namespace, tokens, spec fingerprint, out); True for each page copied.
-
-        The batch is cut into contiguous groups of at least 4 MiB of pages, one per thread,
-        up to `threads` (default `read_threads`): the caller reads the first group, pool
-        threads the others, each group in one read transaction. Hashing and copying release
-        the GIL, so the groups run in parallel. A False leaves its target untouched, or
-        zeroed when the checksum of what was copied failed.
-        """
-        page_bytes = self.spec.page_bytes
-        targets = []
-        for req in requests:
-            arr = as_byte_array(req[4])
-            if arr.nbytes != page_bytes:
-                raise ValueError(f"read target is {arr.nbytes} bytes, a page is {page_bytes}")
-            targets.append(arr)
-        per_group = max(1, -(-_READ_GROUP_BYTES // page_bytes))
-        groups = min(threads or self.read_threads, -(-len(requests) // per_group))
-        if groups <= 1:
-            return self._read_group(requests, targets)
-        bounds = [len(requests) * g // groups for g in range(groups + 1)]
-        futures = [self._read_pool().submit(self._read_group, requests[a:b], targets[a:b])
-                   for a, b in zip(bounds[1:-1], bounds[2:])]
-        try:
-            first = self._read_group(requests[:bounds[1]], targets[:bounds[1]])
-        finally:
-            rest = [f.result() for f in futures]   # never leave a helper writing into a target
-        return first + [ok for group in rest for ok in group]
-
-    def _read_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            self._check_open()
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=max(1, self.read_threads - 1),
-                                                thread_name_prefix="kvstore-cold-read")
-            return self._pool
-
-    def _read_group(self, requests, targets: list[np.ndarray]) -> list[bool]:
-        with self._remap.shared():
-            self._check_open()
-            with self._env.begin(db=self._pages, buffers=True) as txn:
-                return [self._read_one(txn, *req[:4], arr) for req, arr in zip(requests, targets)]
-
-    def _read_one(self, txn, key, expect_namespace, expect_tokens, expect_spec, out: np.ndarray) -> bool:
-        value = txn.get(key)
-        if value is None:
-            with self._stats_lock:
-                self.missing += 1
-            return False
-        try:
-            header = record.read_header(value)
-            if header.key != key:
-                raise RecordError("record is stored under another key")
-            if header.namespace != expect_namespace:
-                raise RecordError("namespace differs")
-            if header.tokens != expect_tokens:
-                raise RecordError("tokens differ")
-            if header.spec != expect_spec or header.nbytes != self.spec.page_bytes:
-                raise RecordError("page geometry differs")
-            record.copy_payload(value, header, out)   # key derivation; checksum of what it copied
-        except RecordError as exc:
-            with self._stats_lock:
-                self.corrupt += 1
-                self.last_error = f"{bytes(key).hex()}: {exc}"
-            return False
-        return True
-
-    def scan(self) -> Iterator[tuple[bytes, RecordHeader | None, int]]:
-        """Every record in `pages` as (key, header or None when it does not parse, length).
-
-        Reads headers only (no checksum). Runs in short read transactions of a few thousand
-        records, so writes and map growth may proceed between chunks.
-        """
-        return self._walk(_scan_item)
-
-    def _walk(self, item: Callable[[memoryview, memoryview], K]) -> Iterator[K]:
-        """item(key, value) of every record in key order, read in chunks of short read
-        transactions; each item is a tuple that starts with the key (as bytes)."""
-        last: bytes | None = None
-        while True:
-            with self._remap.shared():
-                self._check_open()
-                try:
-                    with self._env.begin(db=self._pages, buffers=True) as txn:
-                        cursor = txn.cursor()
-                        found = cursor.first() if last is None else cursor.set_range(last)
-                        if found and last is not None and cursor.key() == last:
-                            found = cursor.next()
-                        chunk = [item(k, v) for k, v in islice(cursor.iternext(), _SCAN_CHUNK)] if found else []
-                except lmdb.Error as exc:
-                    raise KVStoreError(f"cold tier at {self.path}: reading its records failed: {exc}") from None
-            yield from chunk
-            if len(chunk) < _SCAN_CHUNK:
-                return
-            last = chunk[-1][0]
-
-    # --- lifetime ---------------------------------------------------------------
-
     def close(self) -> None:
         """Commit everything queued, stop the writer and read threads and close LMDB. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._queue.put(_STOP)
+            self._queue.put(STOP)
             pool = self._pool
         self._writer.join()
         if pool is not None:
@@ -641,11 +329,3 @@ def lmdb_tier(role: str, spec: KVSpec, path: str, max_bytes: int, map_size_max: 
         tier = DiskTier(path, spec, max_bytes, map_size_max, write_batch)
     tier.name = role
     return tier
-
-
-def _scan_item(key: memoryview, value: memoryview) -> tuple[bytes, RecordHeader | None, int]:
-    try:
-        header = record.read_header(value)
-    except RecordError:
-        header = None
-    return bytes(key), header, len(value)
