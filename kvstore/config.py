@@ -217,6 +217,8 @@ class Config:
     adding fields, e.g. engine.config.Config): one file, one precedence for all of them."""
 
     SECRET_KEYS: ClassVar[tuple[str, ...]] = ("admin.token", "cluster.token", "cluster.redis_url")
+    # where an extension's sections are listed (config output, --keys): after this section
+    EXTENSIONS_AFTER: ClassVar[str] = "daemon"
 
     data_dir: str = opt("./kvstore-data", _str, "a directory")
     model: str = opt("tiny", _str, "a preset name or a Hugging Face model directory")
@@ -259,7 +261,8 @@ class Config:
         return load_shape(self.model).kv_spec(self.resolved_kv_dtype(device), self.page_size)
 
     def to_dict(self, redact: bool = False) -> dict:
-        out = dataclasses.asdict(self)
+        tree = dataclasses.asdict(self)
+        out = {name: tree[name] for name in _fields(type(self))}
         if redact:
             for path in self.SECRET_KEYS:
                 section, key = path.split(".")
@@ -297,7 +300,18 @@ def _dtype_ok(v: str) -> bool:
 
 
 def _fields(cls) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
+    """A config class's fields, in the order they are listed: an extension's own sections (fields
+    a subclass of Config adds) after the section EXTENSIONS_AFTER, so that extending the tree
+    does not move the store's keys to its end."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    after = getattr(cls, "EXTENSIONS_AFTER", None)
+    base = next((b for b in cls.__mro__[1:] if b is Config), None)
+    if base is None or after not in fields:
+        return fields
+    own = [n for n in fields if n not in {f.name for f in dataclasses.fields(base)}]
+    order = [n for n in fields if n not in own]
+    at = order.index(after) + 1
+    return {n: fields[n] for n in order[:at] + own + order[at:]}
 
 
 def _is_section(f: dataclasses.Field) -> bool:
