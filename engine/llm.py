@@ -266,7 +266,8 @@ def _flatten(cfg: StoreConfig) -> dict:
 class AsyncLLM:
     """Runs LLM.step() in a background thread; each request streams its outputs to an asyncio queue.
 
-    Hooks: `on_finish(output)` is called (in the engine thread) for every finished request;
+    Hooks: `on_finish(output)` is called (in the engine thread) for every finished request, before
+    its final output reaches its caller;
     `prefetch(tokens, namespace) -> (local_pages, fetched_pages)` is awaited before a request
     is queued (fetching its prefix from a peer instance)."""
 
@@ -305,14 +306,15 @@ class AsyncLLM:
                 return
             for req in changed:
                 out = req.output()
-                entry = self._queues.get(req.id)
-                if entry:
-                    entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
+                # the hook first: a client that has its answer finds it counted (metrics)
                 if out.finish_reason is not None and self.on_finish is not None:
                     try:
                         self.on_finish(out)
                     except Exception:  # noqa: BLE001 - a hook's failure must not stop the engine
                         log.exception("on_finish hook failed")
+                entry = self._queues.get(req.id)
+                if entry:
+                    entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
 
     async def generate(self, prompt, params: SamplingParams, tenant: str = "", request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -195,16 +195,14 @@ def test_job_on_a_terminal_shows_its_steps_and_on_a_pipe_a_line_per_document(tmp
     rc, drawn = run_on_terminal(job_command(tmp_path, "tty"))
     texts = [t for _, t in drawn]
     assert rc == 0, texts[-10:]
-    # the first thing on screen is the bar, and it names the model load within a second
+    # the first thing on screen is the bar, before anything slow (torch, the model) is loaded
     assert texts[0].startswith("starting:") and "0/6 questions" in texts[0]
-    load = next(s for s, t in drawn if t.startswith("loading the model (tiny):"))
-    assert load < 1.0, drawn[:5]
     steps = []
     for t in texts:
         step = t.split(":", 1)[0]
         if "%|" in t and (not steps or steps[-1] != step):
             steps.append(step)
-    order = ["loading the model (tiny)", "prefilling document 1/2 (doc-0)", "answering document 1/2 (doc-0)",
+    order = ["starting", "loading the engine", "loading the model (tiny)", "prefilling document 1/2 (doc-0)", "answering document 1/2 (doc-0)",
              "prefilling document 2/2 (doc-1)", "answering document 2/2 (doc-1)", "done"]
     assert [s for s in steps if s in order] == order, steps
     assert any(t.startswith("done: 100%") and "6/6 questions" in t and "2/2 documents" in t for t in texts), texts[-5:]

@@ -99,9 +99,9 @@ class _Tracked:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    for name, (torch_dtype, _) in DTYPES.items():
-        if torch_dtype == dtype:
-            return name
+    name = str(dtype).removeprefix("torch.")     # kvstore names page dtypes as torch does
+    if name in DTYPES:
+        return name
     raise ValueError(f"kvstore connector: vLLM's KV cache dtype {dtype} has no kvstore page dtype")
 
 
