@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API over AsyncLLM, with vLLM's extensions and endpoints.
+"""OpenAI-compatible HTTP API over AsyncLLM, with vLLM's extensions and endpoints: the server (its
+requests are engine.openai_models, its responses engine.openai_responses).
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize (vLLM's
 shapes), /version, /health, /metrics (when given the Metrics), /openapi.json (this API's requests
@@ -36,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import itertools
 import json
 import logging
 import math
@@ -50,11 +50,11 @@ from typing import AsyncIterator, TypeVar
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
 
 from engine import AsyncLLM, InvalidRequest, QueueFull, RequestOutput, SamplingParams
 from engine.openai_models import (SHAPES, ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                  InvalidBody, Sampling, TokenizeChat, TokenizeCompletion, parse)
+                                  InvalidBody, Sampling, TokenizeChat, TokenizeCompletion, openapi_document, parse)
+from engine.openai_responses import Choice, Job, final_choice, usage
 from engine.request import StepFailed
 from engine.tokenizer import check_text
 from kvstore import __version__
@@ -92,7 +92,7 @@ class Served:
 
     @classmethod
     def of(cls, llm, server: ServerConfig) -> "Served":
-        keys = {k.encode(): t for k, t in (server.api_keys or {}).items()}
+        keys = {k.encode(): t for k, t in server.api_keys.items()}
         if server.api_key:
             keys.setdefault(server.api_key.encode(), "")
         return cls(server.served_model_name or llm.model_name, llm.config.model, keys, server.trust_tenant_header)
@@ -122,31 +122,6 @@ class ApiError(Exception):
 
 
 # parsing
-@dataclass
-class Job:
-    """One API request, parsed: the engine requests to run and how to answer."""
-
-    prompts: list[str | list[int]]
-    params: SamplingParams
-    n: int
-    stream: bool
-    include_usage: bool
-    return_token_ids: bool
-    tenant: str
-    priority: int
-    echo: list[str] | None = None   # per prompt: the text a completion choice starts with
-
-    def requests(self) -> list[tuple[str | list[int], SamplingParams]]:
-        """(prompt, params) per choice: choice p * n + j is sample j of prompt p."""
-        def sample(j: int) -> SamplingParams:
-            seed = self.params.seed
-            return self.params if j == 0 or seed is None else dataclasses.replace(self.params, seed=seed + j)
-        return [(prompt, sample(j)) for prompt in self.prompts for j in range(self.n)]
-
-    def echoed(self, index: int) -> str:
-        return self.echo[index // self.n] if self.echo else ""
-
-
 def _text(value: str, name: str, param: str) -> str:
     """A string of the request that is tokenized or hashed: 400 naming it when not valid Unicode."""
     try:
@@ -306,92 +281,6 @@ async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
         await asyncio.gather(*pumps, return_exceptions=True)
 
 
-def _streamable(text: str, stops: list[str]) -> str:
-    """The part of a running request's text that cannot change any more: without a trailing
-    partial character (decoded as U+FFFD) or the start of a stop string."""
-    end = len(text.rstrip("\ufffd"))
-    hold = max((k for s in stops for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
-    return text[:end - hold]
-
-
-# formatting
-def _completion_logprobs(tok, entries: list[dict], offset: int) -> dict:
-    """OpenAI's completions logprobs; text_offset counts from `offset` in the generated text."""
-    tokens = [tok.decode([e["token_id"]]) for e in entries]
-    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))[:len(tokens)]
-    top = [{**{tok.decode([t]): lp for t, lp in e.get("top", [])}, token: e["logprob"]}
-           for e, token in zip(entries, tokens)]
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": top,
-            "text_offset": offsets}
-
-
-def _chat_logprobs(tok, entries: list[dict]) -> dict:
-    def item(token_id: int, logprob: float) -> dict:
-        token = tok.decode([token_id])
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-    return {"content": [{**item(e["token_id"], e["logprob"]),
-                         "top_logprobs": [item(t, lp) for t, lp in e.get("top", [])]} for e in entries]}
-
-
-def _usage(outs: list[RequestOutput], n: int) -> dict:
-    firsts = outs[::n]          # one per prompt
-    prompt = sum(len(o.prompt_token_ids) for o in firsts)
-    completion = sum(len(o.token_ids) for o in outs)
-    by_tier = {t: sum(o.cached_tokens.get(t, 0) for o in firsts) for t in ("hot", "warm", "cold", "peer")}
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(by_tier.values())},
-            # extension: where the cached prompt tokens came from, and how many were computed
-            "kvstore": {"cached_tokens": by_tier, "prefill_tokens": sum(o.prefill_tokens for o in firsts)}}
-
-
-class Choice:
-    """One choice of a streamed response: what it has sent so far."""
-
-    def __init__(self, index: int, job: Job, chat: bool, tok):
-        self.index, self.job, self.chat, self.tok = index, job, chat, tok
-        self.text = ""          # sent
-        self.tokens = 0         # token ids (and logprobs) sent
-        self.last: RequestOutput | None = None
-
-    def chunk(self, out: RequestOutput) -> dict | None:
-        """The chunk choice for a new output, or None while there is nothing new to send."""
-        first, self.last = self.last is None, out
-        text = out.text if out.finish_reason else _streamable(out.text, self.job.params.stop)
-        delta = text[len(self.text):] if text.startswith(self.text) else ""
-        if not (delta or out.finish_reason or first):
-            return None
-        choice: dict = {"index": self.index}
-        if self.chat:
-            choice["delta"] = {"role": "assistant", "content": delta} if first else {"content": delta} if delta else {}
-        else:
-            choice["text"] = self.job.echoed(self.index) + delta if first else delta
-        entries = (out.logprobs or [])[self.tokens:]
-        choice["logprobs"] = None if out.logprobs is None else _chat_logprobs(self.tok, entries) if self.chat \
-            else _completion_logprobs(self.tok, entries, len(self.text))
-        choice["finish_reason"] = out.finish_reason
-        if self.job.return_token_ids:
-            choice["token_ids"] = out.token_ids[self.tokens:]
-            if first:
-                choice["prompt_token_ids"] = out.prompt_token_ids
-        self.text, self.tokens = self.text + delta, len(out.token_ids)
-        return choice
-
-
-def _final_choice(index: int, out: RequestOutput, job: Job, chat: bool, tok) -> dict:
-    choice: dict = {"index": index}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": out.text}
-        choice["logprobs"] = None if out.logprobs is None else _chat_logprobs(tok, out.logprobs)
-    else:
-        choice["text"] = job.echoed(index) + out.text
-        choice["logprobs"] = None if out.logprobs is None else _completion_logprobs(tok, out.logprobs, 0)
-    choice["finish_reason"] = out.finish_reason
-    if job.return_token_ids:
-        choice["token_ids"] = out.token_ids
-        choice["prompt_token_ids"] = out.prompt_token_ids
-    return choice
-
-
 # answering
 async def _answer(request: web.Request, job: Job, chat: bool) -> web.StreamResponse:
     engine = request.app[ENGINE]
@@ -411,8 +300,8 @@ async def _answer(request: web.Request, job: Job, chat: bool) -> web.StreamRespo
             last[i] = out
     outs = [last[i] for i in range(len(streams))]
     tok = engine.llm.tokenizer
-    body = {**head, "choices": [_final_choice(i, o, job, chat, tok) for i, o in enumerate(outs)],
-            "usage": _usage(outs, job.n)}
+    body = {**head, "choices": [final_choice(i, o, job, chat, tok) for i, o in enumerate(outs)],
+            "usage": usage(outs, job.n)}
     if job.return_token_ids:
         prompt_ids = [o.prompt_token_ids for o in outs[::job.n]]
         body["prompt_token_ids"] = prompt_ids[0] if len(prompt_ids) == 1 else prompt_ids
@@ -451,7 +340,7 @@ async def _stream(request: web.Request, job: Job, chat: bool, head: dict, output
         resp = resp if resp is not None else await _open_sse(request)
         await flush()
         if job.include_usage:
-            await _send(resp, {**head, "choices": [], "usage": _usage([c.last for c in choices], job.n)})
+            await _send(resp, {**head, "choices": [], "usage": usage([c.last for c in choices], job.n)})
         await _send(resp, "[DONE]")
     except ConnectionResetError:        # the client went away
         return resp if resp is not None else web.Response(status=CLIENT_CLOSED)
@@ -555,27 +444,6 @@ async def metrics_text(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document())
-
-
-def openapi_document() -> dict:
-    """This API's OpenAPI document: the request bodies from engine.openai_models."""
-    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
-              "/tokenize": TokenizeCompletion, "/detokenize": DetokenizeRequest}
-    _, schemas = models_json_schema([(m, "validation") for m in (*bodies.values(), TokenizeChat)],
-                                    ref_template="#/components/schemas/{model}")
-
-    def body(*names: str) -> dict:
-        refs = [{"$ref": f"#/components/schemas/{n}"} for n in names]
-        return {"required": True, "content": {"application/json": {"schema": refs[0] if len(refs) == 1
-                                                                   else {"oneOf": refs}}}}
-    paths = {path: {"post": {"requestBody": body(m.__name__) if path != "/tokenize"
-                             else body("TokenizeCompletion", "TokenizeChat"),
-                             "responses": {"200": {"description": "OK"}}}} for path, m in bodies.items()}
-    for path in ("/v1/models", "/health", "/version", "/metrics"):
-        paths[path] = {"get": {"responses": {"200": {"description": "OK"}}}}
-    return {"openapi": "3.1.0", "info": {"title": "kvstore OpenAI-compatible API", "version": __version__},
-            "paths": paths, "components": {"schemas": schemas.get("$defs", {}),
-                                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
 
 
 async def health(request: web.Request) -> web.Response:

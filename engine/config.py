@@ -41,7 +41,7 @@ class SchedulerConfig:
     policy: str = opt("fcfs", _str, f"one of {', '.join(SCHEDULER_POLICIES)}", lambda v: v in SCHEDULER_POLICIES)
     max_queue_depth: int = opt(512, _int, "an integer >= 1", lambda v: v >= 1)
     tenant_quota_pages: int = opt(0, _int, "an integer >= 0 (0: no quota)", lambda v: v >= 0)
-    tenant_quotas: dict = opt("", mapping(_int), "a mapping tenant -> hot pages (or 'a=100,b=50')",
+    tenant_quotas: dict = opt({}, mapping(_int), "a mapping tenant -> hot pages (or 'a=100,b=50')",
                               lambda v: all(n >= 0 for n in v.values()))
 
 
@@ -61,7 +61,7 @@ class ServerConfig:
                                  "model directory's name)")
     api_key: str = opt("", _str, "a bearer token every /v1/* request must carry (tenant: the default one; "
                        "empty: no key)")
-    api_keys: dict = opt("", mapping(_tenant), "a mapping API key -> tenant (or 'KEY1=alice,KEY2=bob'): a request's "
+    api_keys: dict = opt({}, mapping(_tenant), "a mapping API key -> tenant (or 'KEY1=alice,KEY2=bob'): a request's "
                          "tenant is its key's", lambda v: all(k for k in v))
     trust_tenant_header: bool = opt(False, _bool, "true or false (true: the X-Tenant header chooses the tenant, "
                                     "for a gateway that authenticates users itself)")

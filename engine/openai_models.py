@@ -10,7 +10,7 @@ Rules:
   {"type": "text"}, empty `tools`, ...; any other value is refused naming the field.
 - `parse()` turns a pydantic ValidationError into one line naming the field and what was wrong.
 
-The same models give the OpenAPI document of this API (openapi_schemas()).
+The same models give the OpenAPI document of this API (openapi_document()).
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import json
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.json_schema import models_json_schema
+
+from kvstore import __version__
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # fields that exist only with their neutral value: anything else is refused
@@ -175,7 +178,22 @@ def parse(model: type[M], body: dict) -> M:
     return parsed
 
 
-def openapi_schemas() -> dict[str, dict]:
-    """JSON Schemas of the request models, for an OpenAPI document."""
-    return {m.__name__: m.model_json_schema() for m in (CompletionRequest, ChatRequest, TokenizeCompletion,
-                                                        TokenizeChat, DetokenizeRequest)}
+def openapi_document() -> dict:
+    """This API's OpenAPI document: the request bodies from engine.openai_models."""
+    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
+              "/tokenize": TokenizeCompletion, "/detokenize": DetokenizeRequest}
+    _, schemas = models_json_schema([(m, "validation") for m in (*bodies.values(), TokenizeChat)],
+                                    ref_template="#/components/schemas/{model}")
+
+    def body(*names: str) -> dict:
+        refs = [{"$ref": f"#/components/schemas/{n}"} for n in names]
+        return {"required": True, "content": {"application/json": {"schema": refs[0] if len(refs) == 1
+                                                                   else {"oneOf": refs}}}}
+    paths = {path: {"post": {"requestBody": body(m.__name__) if path != "/tokenize"
+                             else body("TokenizeCompletion", "TokenizeChat"),
+                             "responses": {"200": {"description": "OK"}}}} for path, m in bodies.items()}
+    for path in ("/v1/models", "/health", "/version", "/metrics"):
+        paths[path] = {"get": {"responses": {"200": {"description": "OK"}}}}
+    return {"openapi": "3.1.0", "info": {"title": "kvstore OpenAI-compatible API", "version": __version__},
+            "paths": paths, "components": {"schemas": schemas.get("$defs", {}),
+                                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}

@@ -98,7 +98,17 @@ def _str(v: Any) -> str:
 
 def opt(default: Any, parse: Callable[[Any], Any], allowed: str,
         check: Callable[[Any], bool] = lambda v: True, help: str = ""):
-    return field(default=default, metadata={"parse": parse, "allowed": allowed, "check": check, "help": help})
+    """A config key: its default (a mapping's is a fresh dict in every instance), parser, what is
+    allowed and a check."""
+    meta = {"parse": parse, "allowed": allowed, "check": check, "help": help}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """A key's default value."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _unit(v: float) -> bool:
@@ -315,7 +325,7 @@ def _fields(cls) -> dict[str, dataclasses.Field]:
 
 
 def _is_section(f: dataclasses.Field) -> bool:
-    return dataclasses.is_dataclass(f.default_factory) if f.default_factory is not dataclasses.MISSING else False
+    return isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)
 
 
 def key_paths(cls=Config, prefix: str = "") -> dict[str, dataclasses.Field]:
@@ -352,7 +362,7 @@ def _build(cls, data: Mapping[str, Any], prefix: str = ""):
         if _is_section(f):
             values[name] = _build(f.default_factory, data.get(name) or {}, path + ".")
             continue
-        raw = data.get(name, f.default)
+        raw = data.get(name, default_of(f))
         meta = f.metadata
         try:
             value = meta["parse"](raw)
@@ -443,7 +453,10 @@ def parse_set(items: list[str]) -> dict[str, str]:
 
 
 # Variables with the prefix that are not config keys (declared once, here).
-EXTRA_ENV_VARS: dict[str, str] = {}
+EXTRA_ENV_VARS: dict[str, str] = {
+    "KVSTORE_TEST_VLLM": "scripts/test: 0 leaves out the vLLM venv and the connector's tests",
+    "KVSTORE_TEST_STRICT": "scripts/test: 1 (the full run) makes a part of the suite the machine cannot run a failure",
+}
 
 
 # The options of the commands that read the config.
@@ -471,4 +484,5 @@ def reference_rows(root: type[Config] = Config) -> list[tuple[str, str, str, str
     def show(default) -> str:
         return str(default).lower() if isinstance(default, bool) else str(default)
 
-    return [(path, env_name(path), show(f.default), f.metadata["allowed"]) for path, f in key_paths(root).items()]
+    return [(path, env_name(path), show(default_of(f)), f.metadata["allowed"])
+            for path, f in key_paths(root).items()]

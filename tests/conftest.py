@@ -25,6 +25,18 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+STRICT = os.environ.get("KVSTORE_TEST_STRICT") == "1"   # set by scripts/test for the whole suite
+
+
+def unavailable(reason: str) -> None:
+    """A part of the suite this machine cannot run (no vLLM venv, no tmpfs mount, no package
+    index): skipped where a developer runs a subset, a failure in the full run scripts/test makes
+    (and CI), which promises all of it, so that a broken part never hides behind a skip."""
+    if STRICT:
+        pytest.fail(f"{reason} (the full suite needs it: scripts/test sets KVSTORE_TEST_STRICT=1)")
+    pytest.skip(reason)
+
+
 def terminate(proc: subprocess.Popen, grace_s: float = 30) -> None:
     """SIGTERM a child process and wait for it; SIGKILL it after grace_s."""
     if proc.poll() is None:

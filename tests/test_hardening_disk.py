@@ -11,18 +11,19 @@ import subprocess
 import pytest
 import torch
 
+from conftest import unavailable
 from kvstore.server.metrics import Metrics
 from storeutil import RECORD_BYTES, expected_page, fill_and_commit, hold, make_store, tokens_for
 
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    """A 4 MiB tmpfs mounted for the test (needs root; skipped where mounting is not allowed)."""
+    """A 4 MiB tmpfs mounted for the test (needs root; see conftest.unavailable where it is not allowed)."""
     mnt = tmp_path / "fs"
     mnt.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+        unavailable(f"cannot mount a tmpfs: {done.stderr.strip()}")
     try:
         yield mnt
     finally:

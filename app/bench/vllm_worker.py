@@ -15,7 +15,7 @@ One JSON object a line on stdin, one answer a line on stdout ({"ok": true, ...} 
     {"cmd": "quit"}
 
 Everything vLLM prints (its logs go to stdout by default) lands on stderr: the answers own the
-original stdout. The parent sets the threading environment (compare.VLLM_ENV).
+original stdout. The parent sets the threading environment (contenders.VLLMWorker.ENV).
 """
 
 from __future__ import annotations

@@ -34,6 +34,17 @@ class AttentionBatch:
     def num_warm(self, i: int) -> int:
         return len(self.warm_tables[i]) if self.warm_tables else 0
 
+    def hot_pages(self) -> list[list[int]]:
+        """Each sequence's hot pages that hold its KV (its page table past the spilled ones, as
+        many as its kv_len fills)."""
+        ps = self.page_size
+        return [p[:-(-n // ps) - self.num_warm(i)] for i, (p, n) in enumerate(zip(self.page_tables, self.kv_lens))]
+
+    def padded_pages(self, used: list[list[int]], device) -> torch.Tensor:
+        """The used page lists as one [sequences, longest] tensor, each padded with its first page."""
+        width = max(len(p) for p in used)
+        return torch.tensor([p + [p[0]] * (width - len(p)) for p in used], dtype=torch.long, device=device)
+
     @property
     def num_seqs(self) -> int:
         return len(self.kv_lens)

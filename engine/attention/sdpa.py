@@ -30,14 +30,13 @@ class SdpaBackend(AttentionBackend):
     def plan(self, batch: AttentionBatch, dtype: torch.dtype) -> None:
         self.batch = batch
         dev, ps = batch.device, batch.page_size
-        used = [p[:-(-n // ps) - batch.num_warm(i)] for i, (p, n) in enumerate(zip(batch.page_tables, batch.kv_lens))]
+        used = batch.hot_pages()
         self.group = batch.num_qo_heads // batch.num_kv_heads
         self.decode = batch.is_decode and not batch.spilled
         if self.decode:
-            width = max(len(p) for p in used)
-            self._pages = torch.tensor([p + [p[0]] * (width - len(p)) for p in used], dtype=torch.long, device=dev)
+            self._pages = batch.padded_pages(used, dev)
             lens = torch.tensor(batch.kv_lens, device=dev)
-            valid = torch.arange(width * ps, device=dev)[None, :] < lens[:, None]
+            valid = torch.arange(self._pages.shape[1] * ps, device=dev)[None, :] < lens[:, None]
             # every sequence at its full width needs no mask at all
             self._valid = None if bool(valid.all()) else valid[:, None, None, :]
             return

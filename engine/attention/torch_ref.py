@@ -18,15 +18,14 @@ class TorchBackend(AttentionBackend):
     def plan(self, batch: AttentionBatch, dtype: torch.dtype) -> None:
         self.batch = batch
         dev, ps = batch.device, batch.page_size
-        used = [p[:-(-n // ps) - batch.num_warm(i)] for i, (p, n) in enumerate(zip(batch.page_tables, batch.kv_lens))]
+        used = batch.hot_pages()
         self.decode = batch.is_decode and not batch.spilled
         self._warm = [torch.tensor(batch.warm_tables[i] if batch.warm_tables else [], dtype=torch.long, device=dev)
                       for i in range(batch.num_seqs)]
         if self.decode:
-            width = max(len(p) for p in used)
-            self._pages = torch.tensor([p + [p[0]] * (width - len(p)) for p in used], dtype=torch.long, device=dev)
+            self._pages = batch.padded_pages(used, dev)
             lens = torch.tensor(batch.kv_lens, device=dev)
-            self._valid = torch.arange(width * ps, device=dev)[None, :] < lens[:, None]   # [seqs, width*ps]
+            self._valid = torch.arange(self._pages.shape[1] * ps, device=dev)[None, :] < lens[:, None]   # [seqs, width*ps]
             return
         self._pages = [torch.tensor(p, dtype=torch.long, device=dev) for p in used]
         self._masks = []

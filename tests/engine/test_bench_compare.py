@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, unavailable
 
 SCRIPT = REPO / "scripts" / "bench_engine"
 TINY_SIZES = ("--rounds", "3", "--prefill-tokens", "40", "--batch", "3", "--prompt-tokens", "10",
@@ -148,11 +148,12 @@ def test_bad_option_exits_2(tmp_path, flag, value):
 # (about 30 s: vLLM's start-up, eager mode)
 @pytest.mark.slow
 def test_vllm_worker(tmp_path):
-    from app.bench.compare import VLLMWorker, WorkerError, default_vllm_venv
+    from app.bench.compare import default_vllm_venv
+    from app.bench.contenders import VLLMWorker, WorkerError
 
     venv = Path(default_vllm_venv())
     if not (venv / "bin" / "python").exists():
-        pytest.skip(f"no vLLM venv at {venv} (scripts/bootstrap_vllm)")
+        unavailable(f"no vLLM venv at {venv} (scripts/bootstrap_vllm)")
     transformers = pytest.importorskip("transformers")
     import torch
 
