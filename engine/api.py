@@ -45,15 +45,14 @@ import traceback
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator, TypeVar
+from typing import AsyncIterator, Callable
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
-from pydantic import BaseModel
 
 from engine import AsyncLLM, InvalidRequest, QueueFull, RequestOutput, SamplingParams
 from engine.openai_models import (SHAPES, ChatMessage, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                  InvalidBody, Sampling, TokenizeChat, TokenizeCompletion, openapi_document, parse)
+                                  InvalidBody, M, Sampling, TokenizeChat, TokenizeCompletion, openapi_document, parse)
 from engine.openai_responses import Choice, Job, final_choice, usage
 from engine.request import StepFailed
 from engine.tokenizer import check_text
@@ -72,7 +71,6 @@ WARM_UP_TEXT = "The quick brown fox jumps over the lazy dog. "
 OPEN_PATHS = ("/health", "/version", "/metrics", "/openapi.json")   # no API key needed, as in vLLM
 ENGINE_STOPPED = "the engine stopped after an internal error; restart the server"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass
@@ -215,11 +213,12 @@ def _check_model(request: web.Request, model: str | None) -> None:
                        code="model_not_found")
 
 
-async def _request(request: web.Request, model: type[M]) -> M:
-    """The request body as `model`, naming the served model (or none)."""
+async def _request(request: web.Request, model: type[M] | Callable[[dict], type[M]]) -> M:
+    """The request body as `model` (or as the model `model(body)` chooses), naming the served model
+    (or none)."""
     body = await _body(request)
     try:
-        parsed = parse(model, body)
+        parsed = parse(model if isinstance(model, type) else model(body), body)
     except InvalidBody as exc:
         raise ApiError(400, str(exc), exc.param) from None
     _check_model(request, parsed.model)
@@ -361,9 +360,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if req.echo and req.logprobs is not None:
         raise ApiError(400, "echo with logprobs: prompt logprobs are not computed by this server; "
                             "leave out one of them", "echo")
-    logprobs = req.logprobs
-    if logprobs is not None and not 0 <= logprobs <= 20:
-        raise ApiError(400, f"logprobs = {logprobs}: must be an integer in [0, 20]", "logprobs")
+    logprobs = req.logprobs     # its range is SamplingParams.validate()'s
     prompts = _prompts(llm.tokenizer, req.prompt)
     max_tokens = _fit_context(req.max_tokens, "max_tokens", prompts, llm.max_seq_len, "prompt", COMPLETION_MAX_TOKENS)
     job = _job(request, req, prompts, max_tokens, logprobs)
@@ -390,13 +387,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: a prompt, or chat messages through the template."""
-    body = await _body(request)
-    model = TokenizeChat if "messages" in body else TokenizeCompletion
-    try:
-        req = parse(model, body)
-    except InvalidBody as exc:
-        raise ApiError(400, str(exc), exc.param) from None
-    _check_model(request, req.model)
+    req = await _request(request, lambda body: TokenizeChat if "messages" in body else TokenizeCompletion)
     llm = request.app[ENGINE].llm
     if isinstance(req, TokenizeChat):
         text = _chat_text(llm, req.messages, req.add_generation_prompt)

@@ -15,6 +15,7 @@ The same models give the OpenAPI document of this API (openapi_document()).
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Literal, TypeVar
 
@@ -178,6 +179,7 @@ def parse(model: type[M], body: dict) -> M:
     return parsed
 
 
+@functools.cache
 def openapi_document() -> dict:
     """This API's OpenAPI document: the request bodies from engine.openai_models."""
     bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,

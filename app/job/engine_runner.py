@@ -41,7 +41,7 @@ class EngineRunner(JobRunner):
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-job-prefetch")
 
     def namespace(self, tenant: str):
-        return self.store.namespace("" if self.llm.config.engine.share_across_tenants else tenant)
+        return self.llm.namespace(tenant)
 
     def pinnable(self, pages: int) -> bool:
         return pages <= self.store.hot.num_pages // 2
