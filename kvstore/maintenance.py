@@ -100,7 +100,7 @@ class TierMaintenance:
                 with self._lock:
                     keys = []
                     if self.cold.used_bytes > self.config.cold.high_watermark * self.cold.capacity_bytes:
-                        keys = self.mover.cold_room(self.cold.used_bytes - int(
+                        keys, _ = self.mover.cold_victims(self.cold.used_bytes - int(
                             self.config.cold.low_watermark * self.cold.capacity_bytes))
                 self.io.drop_cold(keys)
                 moved["cold"] = len(keys)

@@ -291,13 +291,13 @@ class PageMover:
             done.append(e)
         return done
 
-    def cold_victims(self, nbytes: int, room: int, exclude: set | None = None) -> tuple[list[bytes], bool]:
-        """Unindex cold records until `nbytes` more fit in `room` (the cold tier's room_bytes(),
-        read by the caller before it took the lock: it reads the disk); damaged ones first. Returns
-        the keys to delete (by the caller, outside the lock) and whether that makes enough room."""
+    def cold_victims(self, nbytes: int, exclude: set | None = None) -> tuple[list[bytes], bool]:
+        """Unindex cold records until `nbytes` more fit (damaged ones first); returns the keys to
+        delete (by the caller, outside the lock) and whether that makes enough room. The room is
+        what cold.max_bytes leaves, or less when the disk (or the map) holds less."""
         if self.durable is None:
             return [], False
-        need = nbytes - room
+        need = nbytes - self.tiers[self.durable].room_bytes()
         keys, freed = self._unindex_cold(need, exclude)
         return keys, freed >= need
 

@@ -176,12 +176,11 @@ class PageIO:
         store, mover = self.store, self.store.mover
         if mover.durable is None or not entries:
             return []
-        room = store.cold.room_bytes()    # reads LMDB and the filesystem: before the lock
         with store._lock:
             plan = mover.plan_write(list(entries))
             if not plan.entries:
                 return []
-            keys, fits = mover.cold_victims(plan.nbytes, room, {e.key for e in plan.entries})
+            keys, fits = mover.cold_victims(plan.nbytes, {e.key for e in plan.entries})
             if store.cold.disk_bound:
                 self._disk_bound(len(keys))
             planned = len(plan.entries)
@@ -192,7 +191,7 @@ class PageIO:
                 half = len(plan.entries) // 2
                 plan.entries, plan.items, plan.sources = plan.entries[:half], plan.items[:half], plan.sources[:half]
                 plan.nbytes = sum(mover.record_bytes(e) for e in plan.entries)
-                more, fits = mover.cold_victims(plan.nbytes, room, {e.key for e in plan.entries})
+                more, fits = mover.cold_victims(plan.nbytes, {e.key for e in plan.entries})
                 keys += more
         if len(plan.entries) < planned:
             self._write_failed(ColdFull(f"cold tier is full and nothing more in it may be evicted (pinned pages, "

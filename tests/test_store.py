@@ -302,32 +302,3 @@ def test_open_serves_at_once_and_indexes_cold_in_the_background(tmp_path):
         assert s.audit()["problems"] == []
     finally:
         s.close(persist=False)
-
-
-def test_rebalance_brings_cold_below_its_low_watermark(tmp_path):
-    """Above cold.high_watermark, rebalance frees cold down to cold.low_watermark: as many bytes as
-    the excess, whatever room the tier still has (it once subtracted that room from the excess, and
-    with the room larger than the excess freed nothing)."""
-    probe = make_store(tmp_path / "probe")
-    try:
-        slots, keys = fill_and_commit(probe, probe.namespace(), tokens_for(50, 1))
-        probe.release(slots)
-        probe.evict(keys, to="cold")
-        record = probe.cold.used_bytes      # one record's bytes, header included
-    finally:
-        probe.close()
-    s = make_store(tmp_path / "s", hot=16, warm=16, **{
-        "cold.max_bytes": str(int(19.2 * record)), "cold.map_size_max": "64MiB",   # the room is max_bytes'
-        "cold.high_watermark": "0.5", "cold.low_watermark": "0.15"})
-    try:
-        ns = s.namespace()
-        for doc in range(10):           # 10 records: 52% of the tier, above its high watermark
-            slots, keys = fill_and_commit(s, ns, tokens_for(60 + doc, 1))
-            s.release(slots)
-            s.evict(keys, to="cold")
-        assert s.cold.used_bytes == 10 * record
-        s.rebalance()
-        assert s.cold.used_bytes <= 0.15 * s.cold.capacity_bytes, s.cold.used_bytes / record
-        assert s.audit()["problems"] == []
-    finally:
-        s.close()
