@@ -1,4 +1,4 @@
-"""`kvstore serve`: its command line, and the process it runs: the tiered store and its daemon,
+"""`kvstore serve`: its command line, and the process it runs: the tiered store (and its daemon),
 the engine and its OpenAI-compatible API, the REST admin API with metrics and, with
 cluster.redis_url, this instance's part in the cross-instance prefix index.
 
@@ -108,7 +108,6 @@ async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> Non
     from engine import LLM, AsyncLLM
     from engine.api import api_runner, create_app, warm_up
     from kvstore.cluster.node import CLUSTER, ClusterNode
-    from kvstore.daemon import Daemon
     from kvstore.server.admin import admin_url, create_admin_app, set_draining, start_admin
     from kvstore.server.metrics import Metrics
     from kvstore.store import INDEX_WAIT_S
@@ -123,13 +122,12 @@ async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> Non
                           "longest sequence (--max-model-len)")
     store = llm.store
     store.wait_indexed(INDEX_WAIT_S)   # a small cold tier is indexed before the first request; a large one meanwhile
-    daemon = await Daemon(store).start()
     metrics = Metrics(store, llm)
     engine = AsyncLLM(llm, on_finish=lambda o: metrics.observe_request(
         o.ttft_s, o.latency_s, o.finish_reason in ("stop", "length"), prompt_tokens=len(o.prompt_token_ids),
         generation_tokens=len(o.token_ids), cached_tokens=o.cached_tokens))
     engine.ready = False
-    admin = create_admin_app(store, daemon, config, engine=engine, metrics=metrics,
+    admin = create_admin_app(store, config, engine=engine, metrics=metrics,
                              model_name=config.server.served_model_name or llm.model_name)
     runners: list[web.AppRunner] = []
     node = None
@@ -140,7 +138,7 @@ async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> Non
     try:
         runners.append(await start_admin(admin, config))
         if config.cluster.redis_url:
-            node = ClusterNode(config, store, daemon, admin_url(runners[0]), lambda: llm.runner.tokens_per_s)
+            node = ClusterNode(config, store, admin_url(runners[0]), lambda: llm.runner.tokens_per_s)
             admin[CLUSTER] = node
             metrics.collector.cluster = node
             engine.prefetch = node.prefetch
@@ -164,7 +162,6 @@ async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> Non
         await engine.stop()
         if node is not None:
             await node.stop()
-        await daemon.stop()
         with contextlib.suppress(Exception):
             await asyncio.to_thread(llm.close)   # hot and warm pages to cold
         for sig in (signal.SIGINT, signal.SIGTERM):

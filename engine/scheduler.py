@@ -134,14 +134,15 @@ class Scheduler:
     def stuck(self, req: Request) -> bool:
         """req runs alone (or would) and gets no page. Relieve the pressure: the loads of other
         requests give their warm pages back and the background writes dirty pages behind
-        so that they can be freed. True once it has been stuck for STUCK_LIMIT_S."""
+        so that they can be freed. True once it has been stuck for STUCK_LIMIT_S, while no page waits
+        for write-behind."""
         now = time.monotonic()
-        if req.stuck_since is None:
+        if req.stuck_since is None or self.store.writes_pending():   # not stuck while the writer frees room
             req.stuck_since = now
         for r in self.waiting + self.loading:
             if r is not req and r.handle is not None and r.handle.ticket is not None:
                 r.handle.end_load()   # they compute what did not come up
-        self.store.io.kick()
+        self.store.daemon.kick()
         return now - req.stuck_since > STUCK_LIMIT_S
 
     def _poll_loads(self) -> None:
@@ -172,7 +173,9 @@ class Scheduler:
             try:
                 req.handle.grow(pages)
                 return True
-            except OutOfCapacity:
+            except OutOfCapacity as exc:
+                if exc.pending:   # write-behind frees the room soon: wait, preempting nobody
+                    return False
                 others = any(r is not req for r in self.running)
                 if others and not admitting:
                     victim = max(self.running, key=self._order)
@@ -267,8 +270,8 @@ class Scheduler:
         try:
             req.handle.attach(m)
             return True
-        except OutOfCapacity:
-            if self.running:
+        except OutOfCapacity as exc:
+            if self.running or exc.pending:
                 return False
         req.handle.end_load()
         if self.can_spill:

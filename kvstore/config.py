@@ -128,7 +128,6 @@ class HotConfig:
                       lambda v: v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v) is not None)
     high_watermark: float = opt(0.90, _float, "a number in (0, 1]", _unit)
     low_watermark: float = opt(0.75, _float, "a number in (0, 1] below high_watermark", _unit)
-    allocate_timeout_s: float = opt(5.0, _float, "seconds >= 0", lambda v: v >= 0)
     backend: str = opt("device", _str, "a tier backend registered under the entry point group "
                                            "kvstore.tiers (built in: device)")
 
@@ -168,6 +167,10 @@ class PrefetchConfig:
 @dataclass(frozen=True)
 class DaemonConfig:
     interval_s: float = opt(0.05, _float, "seconds > 0", lambda v: v > 0)
+    max_dirty_bytes: int = opt("256MiB", parse_size, "a byte size >= 1 page, such as 256MiB (pages waiting for "
+                               "write-behind, at most half the warm tier)", lambda v: v > 0)
+    backpressure_timeout_s: float = opt(5.0, _float, "seconds >= 0 a producer (a sidecar put) waits for "
+                                        "write-behind before it stores what fits", lambda v: v >= 0)
 
 
 def mapping(parse_value: Callable[[Any], Any]) -> Callable[[Any], dict]:

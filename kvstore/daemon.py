@@ -1,149 +1,306 @@
-"""Daemon: the store's background work as asyncio tasks, and the async door to the store.
+"""Daemon: the store's one background component. Every move between tiers that waits for a disk
+or a timer runs on its threads, so that no caller (the engine thread least of all) waits for one:
 
-- watermarks: every `daemon.interval_s` (or when woken), tiers above their high watermark are
-  brought down to their low watermark (hot -> warm -> cold -> out), and under `write_through`
-  committed pages are copied down so that evicting them later is only a free;
-- prefetch: a queue of prefix chains to bring up (cold -> warm, or -> hot), under the
-  `best_effort`, `wait` or `timeout` policy;
-- allocation that waits (bounded) for released pages instead of failing at once.
+- write-behind (thread kvstore-write-behind): a page joins the write-behind queue (index.dirty)
+  as soon as it is committed in hot or put in warm; the writer takes what is queued, oldest first
+  (parents before children), up to WRITE_BATCH_BYTES per cold transaction, as fast as the disk
+  commits them: the next batch is planned and checksummed while the disk commits the last
+  (PIPELINE batches in flight, PageIO.start_write / finish_write). Under `write_through` it
+  also copies hot pages to warm first, so that evicting them from hot is only a free.
+- stranded pages: a page that cold refused (full even after evicting, or failing) is stranded:
+  it may be dropped from memory, counted by reason, and the idle writer tries it again every
+  RETRY_STRANDED_S (or at once when an operator evicts it), so a disk that had a bad moment
+  loses nothing that memory could keep.
+- the dirty bound: at most `max_dirty_pages` pages wait to be written (daemon.max_dirty_bytes,
+  and never more than half the warm tier, or of hot without warm), so memory always has clean
+  pages to free. Producers off the engine thread (sidecar puts, peer imports) wait for room,
+  bounded by daemon.backpressure_timeout_s (`room_for`), and then store what fits and say
+  what they did not; the engine thread never waits: its admission counts dirty pages
+  (`over_bound`) and a request that needs room only the writer can free waits in its queue.
+- watermarks and trims (thread kvstore-daemon): every daemon.interval_s, or at once when
+  kicked, TieredStore.rebalance: tiers above their high watermark come down to their low one at
+  memory speed (clean pages leave, dirty ones are already queued), the cold tier is trimmed to
+  its low watermark, the prefix index to prefix_cache_max_entries.
+- loads (threads kvstore-read): `load(keys)` brings a chain's cold pages up to warm and returns
+  a LoadTicket at once (PageIO.load); the engine polls it, worker threads may wait on it.
+- the door for event loops: `await daemon.run(fn, ...)` runs a store call on a worker thread.
 
-Every store call runs in the daemon's worker threads, never on the event loop.
+`close(persist=True)` drains: loads stop, then the writer writes every queued page before it
+stops. Counters and gauges are in `stats()` (store.stats()["write_behind"]).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from kvstore.errors import KVStoreError, OutOfCapacity
-from kvstore.store import Match, TieredStore
+from kvstore.index import PageEntry
+from kvstore.pageio import LoadTicket, PageIO
+
+if TYPE_CHECKING:
+    from kvstore.store import TieredStore
 
 log = logging.getLogger("kvstore.daemon")
 
+WRITE_BATCH_BYTES = 32 << 20   # page bytes per write-behind transaction, at most
+PIPELINE = 2                   # write-behind batches in flight at once
+WAIT_SLICE_S = 0.05            # a waiter looks again at least this often (wake-ups may be missed)
+BACKOFF_S = (0.05, 1.0)        # the writer's pause after a failed batch: first and longest
+LOAD_ROOM_WAIT_S = 0.5         # a load that finds no warm room waits this long for write-behind
+RETRY_STRANDED_S = 5.0         # the idle writer tries the pages cold refused again this often
+
 
 class Daemon:
-    def __init__(self, store: TieredStore, workers: int = 4):
-        self.store = store
-        self.config = store.config
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore")
-        self._tasks: list[asyncio.Task] = []
-        self._wake = asyncio.Event()
-        self._prefetch_q: asyncio.Queue = asyncio.Queue()
-        self.errors = 0
+    def __init__(self, store: "TieredStore", read_threads: int = 2, workers: int = 4):
+        self.store, self.config = store, store.config
+        self.index = store.index
+        self.io = PageIO(store)
+        self._cond = threading.Condition(store._lock)   # queue, writer progress, releases
+        self._kick = threading.Event()
+        self._reads = ThreadPoolExecutor(max_workers=max(1, read_threads), thread_name_prefix="kvstore-read")
+        self._calls = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore")
+        self._stopping = False
+        self._drain = True
+        self.closed = False
+        page_bytes = store.spec.page_bytes
+        memory = store.warm.num_slots or store.hot.num_pages
+        self.max_dirty_pages = max(1, min(self.config.daemon.max_dirty_bytes // page_bytes, memory // 2))
+        # counters
+        self.written_pages = 0
+        self.write_batches = 0
+        self.progress = 0           # writer batches done and slots released: what a waiter waits for
+        self.waits = 0              # producers that had to wait for room
+        self.wait_s = 0.0
+        self.refused_pages = 0      # pages producers did not store: no room within their bound
+        self.maintenance_errors = 0
+        self._threads = [threading.Thread(target=self._write_loop, name="kvstore-write-behind", daemon=True),
+                         threading.Thread(target=self._maintain_loop, name="kvstore-daemon", daemon=True)]
 
-    async def run(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        """Run a store method in a worker thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
-
-    # lifecycle
-    async def start(self) -> "Daemon":
-        self._tasks = [asyncio.create_task(self._watermarks(), name="kvstore-watermarks"),
-                       asyncio.create_task(self._prefetcher(), name="kvstore-prefetch")]
+    def start(self) -> "Daemon":
+        for t in self._threads:
+            t.start()
         return self
 
-    async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self._tasks = []
-        self._pool.shutdown(wait=True)
+    def close(self, persist: bool = True) -> None:
+        """Stop: loads end, the watermark thread stops, and the writer stops once every queued page
+        is written (persist) or at once. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._reads.shutdown(wait=True)
+        with self._cond:
+            self._stopping, self._drain = True, persist
+            self._cond.notify_all()
+        self._kick.set()
+        for t in self._threads:
+            if t.is_alive():
+                t.join()
+        self._calls.shutdown(wait=True)
 
-    async def __aenter__(self) -> "Daemon":
-        return await self.start()
+    # the door for event loops
+    async def run(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run a (blocking) store call on a worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._calls, functools.partial(fn, *args, **kwargs))
 
-    async def __aexit__(self, *exc) -> None:
-        await self.stop()
+    # loads
+    def load(self, keys: Sequence[bytes]) -> LoadTicket:
+        """Start bringing the cold pages of this chain up to warm; returns at once."""
+        ticket = LoadTicket(keys)
+        try:
+            self._reads.submit(self.io.load, ticket, self._wait_warm_room)
+        except RuntimeError:   # closed
+            ticket.future.set_result(0)
+        return ticket
+
+    def end_load(self, ticket: LoadTicket) -> None:
+        """The holder is done with the ticket (call under the store's lock)."""
+        self.io.end_load(ticket)
+
+    def _wait_warm_room(self) -> bool:
+        self.kick()
+        return self.wait_progress(LOAD_ROOM_WAIT_S)
+
+    # the dirty bound and backpressure
+    def over_bound(self, n: int = 0) -> bool:
+        """Whether n more dirty pages would pass the bound (call under the store's lock)."""
+        dirty = len(self.index.dirty)
+        return self.store.cold is not None and dirty > 0 and dirty + n > self.max_dirty_pages
+
+    def room(self, n: int) -> int:
+        """How many of n more dirty pages fit under the bound now (call under the store's lock)."""
+        if not self.over_bound(n):
+            return n
+        return max(0, self.max_dirty_pages - len(self.index.dirty))
+
+    @contextlib.contextmanager
+    def room_for(self, n: int, timeout: float, room: Callable[[], bool] | None = None) -> Iterator[bool]:
+        """Hold the store's lock once n more dirty pages fit under the bound and room() holds, or
+        `timeout` has passed (waiting releases the lock); yields whether they fit, so that the caller
+        takes the room before anyone else can. For a producer's worker thread."""
+        def ready() -> bool:
+            return not self.over_bound(n) and (room is None or room())
+
+        with self._cond:
+            ok = ready()
+            if not ok:
+                started = time.monotonic()
+                self.waits += 1
+                deadline = started + timeout
+                while not (ok := ready()) and not self._stopping and (left := deadline - time.monotonic()) > 0:
+                    self.kick()
+                    self._cond.wait(min(left, WAIT_SLICE_S))
+                self.wait_s += time.monotonic() - started
+            yield ok
+
+    def wait_progress(self, timeout: float) -> bool:
+        """Block until the writer finishes a batch or slots are released; False after `timeout`."""
+        with self._cond:
+            seen, deadline = self.progress, time.monotonic() + timeout
+            while self.progress == seen and not self._stopping and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(min(left, WAIT_SLICE_S))
+            return self.progress != seen
+
+    def wait_clean(self, entries: Sequence[PageEntry], timeout: float | None = None) -> bool:
+        """Block until none of `entries` waits to be written (written, stranded or gone)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while any(e.key in self.index.dirty for e in entries):
+                if self._stopping or (deadline is not None and time.monotonic() >= deadline):
+                    return False
+                self._cond.wait(WAIT_SLICE_S)
+            return True
+
+    def retry(self, entries: Sequence[PageEntry]) -> None:
+        """Queue stranded pages for write-behind again (call under the store's lock)."""
+        for e in entries:
+            if e.key in self.index.stranded:
+                self.index.unstrand(e)
+        self.wake()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until the loads queued so far are done and write-behind has caught up (tests, tools)."""
+        try:
+            self._reads.submit(lambda: None).result(timeout)
+        except RuntimeError:   # closed
+            return True
+        with self._cond:
+            pending = list(self.index.dirty.values())
+        return self.wait_clean(pending, timeout)
+
+    def refused(self, pages: int) -> None:
+        """A producer did not store `pages` pages for lack of room within its bound (counted)."""
+        with self._cond:
+            self.refused_pages += pages
 
     def wake(self) -> None:
-        self._wake.set()
+        """Pages joined the queue, or slots were freed (call under the store's lock): wake the writer
+        and anyone waiting."""
+        self.progress += 1
+        self._cond.notify_all()
 
-    async def _watermarks(self) -> None:
+    def kick(self) -> None:
+        """Ask for a rebalance soon (non-blocking, coalesced)."""
+        self._kick.set()
+
+    # the writer
+    def _write_loop(self) -> None:
+        """Keep up to PIPELINE batches in flight (the next one is planned and checksummed while the
+        disk commits the last), finishing them in order."""
+        inflight: collections.deque = collections.deque()
+        failures, retry_at = 0, time.monotonic() + RETRY_STRANDED_S
         while True:
-            try:
-                await self.run(self.store.rebalance)
-                if self.config.write_policy == "write_through" and self.store.write_through_pending:
-                    await self.run(self.store.write_through)
-            except KVStoreError as exc:  # keep the daemon alive; the next round retries
-                self.errors += 1
-                log.warning("rebalance failed: %s", exc)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.daemon.interval_s)
-            self._wake.clear()
+            with self._cond:
+                batch = self._batch() if len(inflight) < PIPELINE else []
+                while not batch and not inflight and not self._stopping:
+                    if self.index.stranded and time.monotonic() >= retry_at:
+                        retry_at = time.monotonic() + RETRY_STRANDED_S
+                        self.retry(list(self.index.stranded.values()))
+                    else:
+                        self._cond.wait(WAIT_SLICE_S)
+                    batch = self._batch()
+                if self._stopping and not self._drain:
+                    batch = []
+                if not batch and not inflight:
+                    return
+            if batch:
+                job = self._guarded(self.io.start_write, batch)
+                if job is not None:
+                    inflight.append(job)
+                    continue
+            if not inflight:
+                continue
+            done = self._guarded(self.io.finish_write, inflight.popleft()) or []
+            with self._cond:
+                self.written_pages += len(done)
+                self.write_batches += 1
+                self.progress += 1
+                self._cond.notify_all()
+            failures = 0 if done else failures + 1
+            if failures and not inflight:   # the disk refused the batch: do not spin on it
+                time.sleep(min(BACKOFF_S[0] * 2 ** (failures - 1), BACKOFF_S[1]))
 
-    async def _prefetcher(self) -> None:
-        while True:
-            keys, to, fut = await self._prefetch_q.get()
-            try:
-                done = await self.run(self.store.promote, keys, to)
-                if not fut.done():
-                    fut.set_result(done)
-            except Exception as exc:  # noqa: BLE001 - handed to the waiter
-                if not fut.done():
-                    fut.set_exception(exc)
-
-    # the async door
-    async def match(self, tokens: Sequence[int], namespace) -> Match:
-        return await self.run(self.store.match, tokens, namespace)
-
-    async def acquire(self, keys: Sequence[bytes]) -> list[int]:
-        """Hot slots of a cached chain; its cold pages are loaded first (store.acquire never reads disk)."""
-        await self.run(self.store.promote, keys, "warm")
-        return await self.run(self.store.acquire, keys)
-
-    async def release(self, slots: Sequence[int]) -> None:
-        await self.run(self.store.release, slots)
-
-    async def commit(self, namespace, tokens: Sequence[int], slots: Sequence[int]) -> list[bytes]:
-        keys = await self.run(self.store.commit, namespace, tokens, slots)
-        if self.config.write_policy == "write_through":
-            self.wake()
-        return keys
-
-    async def allocate(self, n: int, timeout: float | None = None) -> list[int]:
-        """n hot slots; waits up to `timeout` (hot.allocate_timeout_s) for releases, then raises OutOfCapacity."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.config.hot.allocate_timeout_s if timeout is None else timeout)
-        while True:
-            released = asyncio.Event()
-            self.store.on_release(functools.partial(_set_threadsafe, loop, released))
-            try:
-                return await self.run(self.store.allocate, n)
-            except OutOfCapacity:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise
-                self.wake()
-                try:
-                    await asyncio.wait_for(released.wait(), remaining)
-                except asyncio.TimeoutError:
-                    raise OutOfCapacity(f"out of KV capacity: no {n} hot pages became free within "
-                                        f"{self.config.hot.allocate_timeout_s if timeout is None else timeout} s") from None
-
-    async def prefetch(self, keys: Sequence[bytes], to: str = "hot", policy: str | None = None,
-                       timeout: float | None = None) -> int | None:
-        """Queue a prefix chain to bring up to `to`. best_effort: return None at once; wait: the
-        number of pages brought up; timeout: that number, or None if not done within the bound."""
-        policy = policy or self.config.prefetch.policy
-        fut = asyncio.get_running_loop().create_future()
-        self._prefetch_q.put_nowait((list(keys), to, fut))
-        if policy == "best_effort":
-            return None
-        if policy == "wait":
-            return await fut
+    @staticmethod
+    def _guarded(fn: Callable, arg: Any) -> Any:
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.config.prefetch.timeout_s
-                                          if timeout is None else timeout)
-        except asyncio.TimeoutError:
+            return fn(arg)
+        except Exception:  # noqa: BLE001 - a bug must not stop write-behind; the pages stay queued
+            log.exception("write-behind batch failed")
             return None
 
+    def _batch(self) -> list[PageEntry]:
+        """The oldest queued pages not being written, up to WRITE_BATCH_BYTES (under the lock)."""
+        if self.store.cold is None:
+            return []
+        out, limit = [], max(1, WRITE_BATCH_BYTES // self.store.spec.page_bytes)
+        for e in self.index.dirty.values():
+            if not e.writing:
+                out.append(e)
+                if len(out) >= limit:
+                    break
+        if out and self.config.write_policy == "write_through":
+            self._stage_in_warm(out)
+        return out
 
-def _set_threadsafe(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
-    with contextlib.suppress(RuntimeError):  # the loop may be closed already
-        loop.call_soon_threadsafe(event.set)
+    def _stage_in_warm(self, entries: list[PageEntry]) -> None:
+        """write_through: copy hot pages to warm ahead of eviction (not counted as bytes moved)."""
+        mover, warm = self.store.mover, self.store.warm
+        to_warm = [e for e in entries if e.warm is None and e.hot is not None]
+        if to_warm and mover.make_room("warm", len(to_warm), {e.key for e in entries}):
+            mover.copy(to_warm, "hot", "warm", warm.alloc(len(to_warm)), counted=False)
+
+    # watermarks
+    def _maintain_loop(self) -> None:
+        interval = self.config.daemon.interval_s
+        while not self._stopping:
+            self._kick.wait(interval)
+            self._kick.clear()
+            if self._stopping:
+                return
+            try:
+                self.store.rebalance()
+            except Exception:  # noqa: BLE001 - the next round retries
+                self.maintenance_errors += 1
+                if self.maintenance_errors == 1 or self.maintenance_errors % 100 == 0:
+                    log.exception("background rebalance failed (%d times)", self.maintenance_errors)
+
+    # observability
+    def stats(self) -> dict:
+        """The write-behind queue and backpressure now (call under the store's lock)."""
+        dirty = self.index.dirty
+        oldest = next(iter(dirty.values()), None)
+        writing = sum(1 for e in dirty.values() if e.writing)
+        return {"dirty_pages": len(dirty), "dirty_bytes": len(dirty) * self.store.spec.page_bytes,
+                "max_dirty_pages": self.max_dirty_pages if self.store.cold is not None else 0,
+                "queued_pages": len(dirty) - writing, "writing_pages": writing,
+                "lag_s": round(time.monotonic() - oldest.dirty_since, 3) if oldest is not None else 0.0,
+                "written_pages": self.written_pages, "write_batches": self.write_batches,
+                "stranded_pages": len(self.index.stranded),
+                "backpressure_waits": self.waits, "backpressure_wait_s": round(self.wait_s, 3),
+                "refused_pages": self.refused_pages}

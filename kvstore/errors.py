@@ -14,7 +14,12 @@ class ConfigError(KVStoreError):
 
 
 class OutOfCapacity(KVStoreError):
-    """The hot tier cannot hold the pages asked for, even after evicting what may be evicted."""
+    """A tier cannot hold the pages asked for, even after evicting what may be evicted. `pending`:
+    room will come once write-behind has written dirty pages (wait; preempting nobody helps)."""
+
+    def __init__(self, message: str, pending: bool = False):
+        self.pending = pending
+        super().__init__(message)
 
 
 class NotBuilt(KVStoreError):

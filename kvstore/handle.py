@@ -68,13 +68,13 @@ class CacheHandle:
         if all(t in (mover.top, mover.stage) for t in match.tiers) or self.ticket is not None:
             return False
         self.served = self.served or list(match.tiers)   # where the pages were before the load
-        self.ticket = self.store.io.load(match.keys)
+        self.ticket = self.store.daemon.load(match.keys)
         return True
 
     def end_load(self) -> None:
         if self.ticket is not None:
             with self.store._lock:
-                self.store.io.end_load(self.ticket)
+                self.store.daemon.end_load(self.ticket)
             self.ticket = None
 
     def attach(self, match: "Match", spill_room: int | None = None) -> int:

@@ -6,6 +6,10 @@ Invariants (checked by TieredStore.audit):
 - `leases` counts holders of the warm copy (sidecar clients); a leased entry always has a warm slot.
 - `kids` are the entries whose parent is this key; a child whose parent is absent waits in
   `_waiting` and is linked when the parent arrives, so `kids` is exact whatever the order.
+- `dirty` holds, in the order they became so, the pages in memory that have no copy in the
+  persistent tier (cold) and are not stranded: the write-behind queue. `stranded` holds those
+  that cold refused (full, or failing): they may be dropped, and are retried now and then.
+  Every residency change goes through place (and add, remove), which keeps both exact.
 
 Eviction order: each tier is kept in the policy's order (policy.VictimQueue, one per policy and
 tier, plus the least recently used leaves for the prefix-cache trim), so `victims` and
@@ -42,6 +46,9 @@ class PageEntry:
     refcount: int = 0
     leases: int = 0              # holders of the warm copy
     writing: bool = False        # a cold write of this page is in flight: its warm copy stays
+    stranded: str = ""           # why no lower tier can take it (cold_full, write_error): it may be dropped
+    dirty_since: float = 0.0     # monotonic time it last joined the write-behind queue
+    write_failures: int = 0      # failed cold writes of this page
     pin_until: float = 0.0       # monotonic deadline; 0 = not pinned
     hits: int = 0
     last_access: int = 0         # index tick
@@ -93,6 +100,9 @@ class PageIndex:
         self.keyed = frozenset(keyed)
         self.rank = {t: i for i, t in enumerate(self.tiers)}
         self.persistent = next((t for t in self.tiers if t in self.keyed), None)
+        self.memory = frozenset(t for t in self.tiers if t not in self.keyed)
+        self.dirty: dict[bytes, PageEntry] = {}      # the write-behind queue, oldest first (see the module doc)
+        self.stranded: dict[bytes, PageEntry] = {}   # dirty pages cold refused (see the module doc)
         # tier -> handle (slot, or key in a keyed tier) -> entry
         self.at: dict[str, dict] = {t: {} for t in self.tiers}
         self.entries: dict[bytes, PageEntry] = {}
@@ -155,10 +165,13 @@ class PageIndex:
         if e.last_access == 0:
             e.last_access = self.tick()
         self._requeue(e)
+        self._mark(e)
         return e
 
     def remove(self, e: PageEntry) -> None:
         del self.entries[e.key]
+        self.dirty.pop(e.key, None)
+        self.stranded.pop(e.key, None)
         for t in self.keyed:
             self.at[t].pop(e.key, None)
         self._stamp += 1
@@ -190,10 +203,37 @@ class PageIndex:
             if len(e.where) > 1:   # keep the fastest tier first
                 e.where = {t: e.where[t] for t in sorted(e.where, key=self.rank.__getitem__)}
         self._requeue(e)
+        self._mark(e)
         parent = self.entries.get(e.parent)
         if tier == self.persistent and old is not None and handle is None and parent is not None \
                 and tier in parent.where:
             self._requeue(parent)   # its last child in cold may have left
+
+    def _mark(self, e: PageEntry) -> None:
+        """Keep `dirty` and `stranded` exact for e: dirty once it is in memory without a persistent copy."""
+        if self.persistent is None or e.key not in self.entries:
+            return
+        if self.persistent in e.where or e.where.keys().isdisjoint(self.memory):
+            self.dirty.pop(e.key, None)
+            self.stranded.pop(e.key, None)
+            e.stranded = ""
+        elif e.stranded:
+            self.dirty.pop(e.key, None)
+            self.stranded[e.key] = e
+        elif e.key not in self.dirty:
+            e.dirty_since = time.monotonic()
+            self.dirty[e.key] = e
+
+    def strand(self, e: PageEntry, reason: str) -> None:
+        """Cold refused e (`reason`: cold_full, write_error): it leaves the write-behind queue, and may
+        be dropped from memory, until `unstrand` queues it again."""
+        e.stranded = reason
+        self._mark(e)
+
+    def unstrand(self, e: PageEntry) -> None:
+        self.stranded.pop(e.key, None)
+        e.stranded = ""
+        self._mark(e)
 
     def set_hot(self, e: PageEntry, slot: int | None) -> None:
         self.place(e, "hot", slot)

@@ -7,8 +7,13 @@ Everything goes through `count(event, tier, pages=1, to=None)`:
     evict            a page's copy left `tier`
     move             pages were copied from `tier` to tier `to` (bytes_moved["<tier>_to_<to>"])
     corrupt          a cold record failed verification (also a cold miss)
-    drop             cached pages left the store for lack of room
+    drop             cached pages left the store with no copy below, by reason (DROP_REASONS):
+                     no_cold_tier (a store without one), cold_full (cold at its limit could not
+                     evict for them), write_error (the disk failed their writes)
     mismatch         a key matched but its page did not (tokens, parent or namespace)
+
+Drops are also logged, with backoff (LogBackoff: the first at once, then at most one line per
+growing interval with the count since), naming the reasons.
 
 `snapshot()` gives what store.stats() reports: counters per tier, bytes moved per direction
 (every pair of tiers, nearest first, then each source into the second tier: peer_to_warm),
@@ -17,9 +22,15 @@ corrupt, dropped and mismatched pages. The caller holds the store's lock.
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
+from kvstore.logbackoff import LogBackoff
+
+log = logging.getLogger("kvstore.store")
+
 COUNTERS = ("hits", "misses", "evictions", "promotions")
+DROP_REASONS = ("no_cold_tier", "cold_full", "write_error")
 _PER_TIER = {"hit": "hits", "miss": "misses", "evict": "evictions", "promote": "promotions"}
 
 
@@ -37,8 +48,15 @@ class MoveStats:
         self.tiers = {t: dict.fromkeys(COUNTERS, 0) for t in tiers}
         self.bytes_moved = dict.fromkeys(directions(tiers, sources), 0)
         self.pages = {"corrupt": 0, "drop": 0, "mismatch": 0}
+        self.drops = dict.fromkeys(DROP_REASONS, 0)
+        self._drop_log = LogBackoff()
+        self._dropped_since: dict[str, int] = {}
 
-    def count(self, event: str, tier: str | None = None, pages: int = 1, to: str | None = None) -> None:
+    def count(self, event: str, tier: str | None = None, pages: int = 1, to: str | None = None,
+              reason: str | None = None) -> None:
+        if event == "drop":
+            self.drops[reason] += pages
+            self._log_drop(reason, pages)
         if event == "move":
             self.bytes_moved[f"{tier}_to_{to}"] += pages * self.page_bytes
         elif event in _PER_TIER:
@@ -48,7 +66,18 @@ class MoveStats:
                 self.tiers[tier]["misses"] += pages
             self.pages[event] += pages
 
+    def _log_drop(self, reason: str, pages: int) -> None:
+        self._dropped_since[reason] = self._dropped_since.get(reason, 0) + pages
+        if self._drop_log.due(pages):
+            why = ", ".join(f"{n} {r}" for r, n in sorted(self._dropped_since.items()))
+            # a store without a cold tier evicts that way: news, not a warning
+            level = logging.INFO if set(self._dropped_since) == {"no_cold_tier"} else logging.WARNING
+            log.log(level, "pages dropped from memory with no copy in a lower tier (%s) since the last report; "
+                    "%d in all", why, self.pages["drop"] + pages)
+            self._dropped_since = {}
+
     def snapshot(self) -> dict:
         return {"tiers": {t: dict(c) for t, c in self.tiers.items()}, "bytes_moved": dict(self.bytes_moved),
                 "corrupt_pages": self.pages["corrupt"], "dropped_pages": self.pages["drop"],
+                "dropped_by_reason": dict(self.drops),
                 "mismatched_pages": self.pages["mismatch"]}

@@ -14,13 +14,15 @@ never leave any tier; a cold record is deleted only when none of its children is
 
 Two speeds, so that no caller ever holds the store's lock across disk I/O:
 - memory (any thread, under the lock): `ensure`, `make_room`, `demote`, and reads from slotted
-  tiers. They never read or write an I/O tier. A page with no lower copy moves down to the next
-  slotted tier when it has room (freeing clean pages there for it), and otherwise leaves the
-  store if it is a leaf (a cached page dropped, never a wrong one); a page without a cold copy
-  is dirty and stays until write-behind (PageIO) has made it durable.
-- I/O (PageIO's threads): `plan_write` -> `write` -> `finish_write`, and `plan_read` -> `read`
-  -> `finish_read`, bracket the I/O; the plan and finish halves run under the lock, the I/O
-  between them does not. Pages in flight are marked: a page being written keeps its memory
+  tiers. They never read or write an I/O tier. A page leaving a slotted tier moves down to the
+  next one when that can make room without dropping anything (a page demoted from hot stays
+  cached in warm). A page without a cold copy is dirty (index.dirty, the write-behind queue) and
+  stays in memory until write-behind (the Daemon) has made it durable: it never leaves the
+  store, unless no lower tier can take it (no cold tier, or cold refused it: `stranded`); then
+  a leaf is dropped, counted by reason.
+- I/O (the Daemon's threads, through PageIO): `plan_write` -> `write` -> `finish_write`, and
+  `plan_read` -> `read` -> `finish_read`, bracket the I/O; the plan and finish halves run under
+  the lock, the I/O between them does not. Pages in flight are marked: a page being written keeps its memory
   copies below hot (`writing`), a page being read owns its warm slot.
 
 Every event is counted by MoveStats (move_stats.py), through its one method.
@@ -93,8 +95,9 @@ class PageMover:
     def bytes_moved(self) -> dict[str, int]:
         return self.stats.bytes_moved
 
-    def count(self, event: str, tier: str | None = None, pages: int = 1, to: str | None = None) -> None:
-        self.stats.count(event, tier, pages, to)
+    def count(self, event: str, tier: str | None = None, pages: int = 1, to: str | None = None,
+              reason: str | None = None) -> None:
+        self.stats.count(event, tier, pages, to, reason)
 
     def record_bytes(self, e: PageEntry) -> int:
         return PREFIX_BYTES + len(self.header(e).pack()) + self.spec.page_bytes
@@ -135,8 +138,10 @@ class PageMover:
                 e.leases -= 1
                 self.index.changed(e)
             if not room:
+                dirty = self.dirty_evictable(tier)
                 raise OutOfCapacity(f"out of KV capacity: cannot promote a page, all {self.tiers[tier].num_slots} "
-                                    "hot pages are referenced, pinned or allocated")
+                                    f"hot pages are referenced, pinned, allocated or waiting for write-behind "
+                                    f"({dirty})", pending=dirty > 0)
             self.count("hit", src)
         elif not self.make_room(tier, 1, {e.key}):
             return False
@@ -302,18 +307,21 @@ class PageMover:
         return keys, freed >= need
 
     def cold_room(self, nbytes: int, exclude: set | None = None) -> list[bytes]:
-        """Unindex cold records of at least `nbytes` in all, whatever the room looks like: for a disk or
-        map that filled up anyway. Returns the keys to delete (by the caller, outside the lock)."""
+        """Unindex cold records of at least `nbytes` in all, whatever the room looks like: the cold
+        trim down to its low watermark, or a disk or map that filled up anyway. Returns the keys to
+        delete (by the caller, outside the lock)."""
         return self._unindex_cold(nbytes, exclude)[0] if self.durable is not None else []
 
     def _unindex_cold(self, nbytes: int, exclude: set | None) -> tuple[list[bytes], int]:
         """Damaged records (size unknown, counted as none), then the cold policy's victims (leaves
-        first) until `nbytes` are freed or none is left; (keys, bytes freed)."""
+        first) until `nbytes` are freed or none is left; (keys, bytes freed). A page with a copy in
+        memory keeps its record: it would only be written again (a cold tier smaller than memory
+        would never stop writing); pages that then do not fit are stranded by the writer."""
         keys, freed = list(self.unindexed), 0
         self.deleting.update(self.unindexed)
         self.unindexed.clear()
         while freed < nbytes:
-            victims = self.victims(self.durable, 8, exclude)
+            victims = self.victims(self.durable, 8, exclude, outside=True)
             if not victims:
                 break
             for e in victims:
@@ -337,44 +345,61 @@ class PageMover:
             return e.residency > 1 or not e.kids
         return True
 
-    def victims(self, tier: str, n: int, exclude: set | None = None, leaves: bool = False) -> list[PageEntry]:
+    def dirty_evictable(self, tier: str) -> int:
+        """Pages of `tier` that may leave it once write-behind has written them."""
         now = self.index.now()
-        return self.index.victims(tier, n, lambda e: self.evictable(e, tier, now)
-                                  and (exclude is None or e.key not in exclude)
-                                  and not (leaves and e.kids), self.policy)
+        return sum(1 for e in self.index.dirty.values() if tier in e.where and self.evictable(e, tier, now))
 
-    def make_room(self, tier: str, n: int, exclude: set | None = None, drop: bool = True) -> bool:
+    def droppable(self, e: PageEntry) -> bool:
+        """e may leave the store from memory without a copy below: a leaf that no lower tier can
+        take (no durable tier, or it refused the page: `stranded`)."""
+        return (self.durable is None or bool(e.stranded)) and not e.kids and not e.writing
+
+    def victims(self, tier: str, n: int, exclude: set | None = None, leaving: bool = False,
+                outside: bool = False) -> list[PageEntry]:
+        """Up to n pages that may leave `tier`, in the policy's order. `leaving`: only those that can
+        leave without a copy made (one exists elsewhere, or they are droppable); `outside`: only
+        those with no copy in memory."""
+        now = self.index.now()
+
+        def ok(e: PageEntry) -> bool:
+            return (self.evictable(e, tier, now) and (exclude is None or e.key not in exclude)
+                    and (not leaving or e.residency > 1 or self.droppable(e))
+                    and not (outside and e.in_memory(self.memory)))
+        return self.index.victims(tier, n, ok, self.policy)
+
+    def make_room(self, tier: str, n: int, exclude: set | None = None) -> bool:
         """Free slots in a slotted tier until n are free, at memory speed; False if that is impossible
-        now. Without `drop`, no page leaves the store (only pages with a copy elsewhere are freed)."""
+        now. Pages that can leave at once go first, then those that can move to the slotted tier
+        below; a dirty page stays (write-behind makes it clean): no page that cold could take is dropped."""
         pool = self.tiers[tier].pool
         while pool.num_free < n:
             short = n - pool.num_free
-            # a parent with nowhere lower to go stays; dropping leaves first frees it for the next round
-            if not (self.demote(self.victims(tier, short, exclude), tier, drop)
-                    or self.demote(self.victims(tier, short, exclude, leaves=True), tier, drop)):
+            if not (self.demote(self.victims(tier, short, exclude, leaving=True), tier)
+                    or self.demote(self.victims(tier, short, exclude), tier)):
                 break
         return pool.num_free >= n
 
-    def demote(self, victims: list[PageEntry], tier: str, drop: bool = True) -> int:
+    def demote(self, victims: list[PageEntry], tier: str, keep: bool = True, drop: bool = True) -> int:
         """Move victims out of a slotted tier at memory speed; returns how many left it.
 
-        A victim leaves when another tier holds a copy, when the next slotted tier below can take
-        a copy, or, with no copy elsewhere and `drop`, when it is a leaf (dropped). Other pages
-        stay (write-behind can make them clean)."""
-        done = [e for e in victims if e.residency > 1]
-        need = [e for e in victims if e.residency <= 1]
-        below = self.below(tier)
-        if below is not None and need and self.tiers[below].num_slots:
+        With `keep`, their pages go down to the next slotted tier as far as it can make room without
+        dropping anything (pages with no copy elsewhere first). Then a victim leaves when another
+        tier holds a copy, or, with `drop`, when it is droppable (dropped, counted by reason); the
+        others stay."""
+        below = self.below(tier) if keep else None
+        want = sorted((e for e in victims if below is not None and below not in e.where),
+                      key=lambda e: e.residency > 1)
+        if want and self.tiers[below].num_slots:
             lower = self.tiers[below]
-            self.make_room(below, min(len(need), lower.num_slots), {e.key for e in victims}, drop)
-            k = min(len(need), lower.pool.num_free)
-            moved, need = need[:k], need[k:]
-            if moved:
-                self.copy(moved, tier, below, lower.alloc(k))
-                done += moved
-        dropped = [e for e in need if drop and not e.kids and not e.writing]  # fits nowhere: leaves leave the store
-        if dropped:
-            self.count("drop", None, len(dropped))
+            self.make_room(below, min(len(want), lower.num_slots), {e.key for e in victims})
+            k = min(len(want), lower.pool.num_free)
+            if k:
+                self.copy(want[:k], tier, below, lower.alloc(k))
+        done = [e for e in victims if e.residency > 1]
+        dropped = [e for e in victims if drop and e.residency <= 1 and self.droppable(e)]
+        for e in dropped:
+            self.count("drop", None, reason=e.stranded or "no_cold_tier")
         self.remove_copies(done + dropped, tier)
         return len(done) + len(dropped)
 

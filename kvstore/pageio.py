@@ -1,36 +1,37 @@
-"""PageIO: the store's disk work, on its own threads, never under the store's lock.
+"""PageIO: the store's disk work, run on the Daemon's threads (daemon.py), never under the store's lock.
 
-- loads: `load(keys)` brings the cold pages of a prefix chain up to warm on the read threads
-  and returns a LoadTicket at once; the pages it brought (and those of the chain already in
-  warm) are leased for the ticket's holder until `end_load`, so they stay until the holder
-  takes them into hot. A page that fails verification is a counted miss: the chain stops
-  there and the holder recomputes from it.
-- write-behind: `persist(entries)` writes pages (from warm, else hot) to cold and marks them
-  cold-resident once the commit is durable; `drop_cold` deletes records. `kick()` asks the
-  maintenance thread for a `TieredStore.rebalance` (coalesced), which demotes by watermarks
-  and writes dirty warm pages behind.
+- loads: `load_chain(ticket)` brings the cold pages of a prefix chain up to warm; the pages it
+  brought (and those of the chain already in warm) are leased for the ticket's holder until
+  `end_load`, so they stay until the holder takes them into hot. A page that fails verification
+  is a counted miss: the chain stops there and the holder recomputes from it.
+- write-behind: `start_write(entries)` queues a write of pages (from warm, else hot) to cold, and
+  `finish_write(job)` waits for it and marks them cold-resident once the commit is durable;
+  `drop_cold` deletes records.
 - a full cold tier: a write refused for lack of room (ColdFull: the disk or LMDB's map filled
   up before cold.max_bytes) evicts cold's own victims (its eviction policy's order, leaves
-  first) and retries, a few times with more room each; pages that still do not fit stay in
-  memory, dirty. Failures are counted (`write_errors`), logged with a growing interval (the
-  first at once, then at most one line per interval with the count since), and shown by
-  `cold_state()` (the admin API's /readyz and /v1/stats).
+  first) and retries, a few times with more room each. Pages that still do not fit, and pages
+  whose writes failed MAX_WRITE_FAILURES times, are stranded (index.strand): no lower tier can
+  take them, so they may be dropped from memory, counted by reason. Failures are counted
+  (`write_errors`), logged with a growing interval (the first at once, then at most one line
+  per interval with the count since), and shown by `cold_state()` (the admin API's /readyz and
+  /v1/stats).
 
 Every method brackets its I/O with short critical sections (PageMover's plan/finish halves):
 the engine thread, which only ever takes the lock for memory work, never waits for a disk.
-Blocking methods (`persist`, `drop_cold`, `wait`) are for worker threads, never for the engine.
+Every method here blocks: for the Daemon's threads and worker threads, never for the engine.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvstore.errors import KVStoreError
 from kvstore.index import PageEntry
+from kvstore.logbackoff import LogBackoff
+from kvstore.mover import WritePlan
 from kvstore.tiers.disk import ColdFull
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ log = logging.getLogger("kvstore.pageio")
 
 LOAD_BATCH_BYTES = 16 << 20   # pages read per read transaction (and per trip through the lock)
 FULL_RETRIES = 3              # evict-and-retry rounds for a write that found the cold tier full
+MAX_WRITE_FAILURES = 3        # failed writes of a page (disk errors) before it is stranded
 LOG_INTERVAL_S = (5.0, 300.0)   # write failures: first and longest interval between log lines
 
 
@@ -64,42 +66,32 @@ class LoadTicket:
         return self.ready
 
 
+@dataclass
+class WriteJob:
+    """A write to cold in flight: its plan, and put_many's future (or the error that refused it at once)."""
+
+    plan: WritePlan
+    future: Future | None = None
+    error: BaseException | None = None
+
+
 class PageIO:
-    def __init__(self, store: "TieredStore", read_threads: int = 2):
+    def __init__(self, store: "TieredStore"):
         self.store = store
-        self._reads = ThreadPoolExecutor(max_workers=max(1, read_threads), thread_name_prefix="kvstore-read")
-        self._maint = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-maint")
-        self._kicked = False
-        self._kick_lock = threading.Lock()
         self.write_errors = 0           # write-behind batches that failed (pages stayed in memory)
         self.last_write_error = ""
         self.cold_full = False          # the last write failed for lack of room, even after evicting
         self.evicted_for_room = 0       # cold records evicted because the disk or map was full
         self._failing = 0               # failures since the last success
-        self._unlogged = 0              # failures since the last log line
-        self._log_interval = LOG_INTERVAL_S[0]
-        self._next_log = 0.0
+        self._log = LogBackoff(*LOG_INTERVAL_S)
         self._said_disk_bound = False
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-        self._maint.shutdown(wait=True)
-        self._reads.shutdown(wait=True)
 
     # loads
-    def load(self, keys: Sequence[bytes]) -> LoadTicket:
-        """Start bringing the cold pages of this chain up to warm; returns at once."""
-        ticket = LoadTicket(keys)
-        if self.closed:
-            ticket.future.set_result(0)
-            return ticket
-        self._reads.submit(self._load, ticket)
-        return ticket
-
-    def _load(self, ticket: LoadTicket) -> None:
+    def load(self, ticket: LoadTicket, wait_room: Callable[[], bool]) -> None:
+        """Bring the ticket's chain up (a read thread); `wait_room()` waits, bounded, for write-behind
+        to make warm room when there is none, and says whether it did. Resolves the ticket."""
         try:
-            self._load_chain(ticket)
+            self._load_chain(ticket, wait_room)
         except BaseException as exc:  # noqa: BLE001 - a failed load is a miss; the holder recomputes
             log.warning("load of %d pages failed: %s", len(ticket.keys), exc)
         finally:
@@ -108,10 +100,9 @@ class PageIO:
                     self._return_leases(ticket)
             ticket.future.set_result(ticket.ready)
 
-    def _load_chain(self, ticket: LoadTicket) -> None:
+    def _load_chain(self, ticket: LoadTicket, wait_room: Callable[[], bool]) -> None:
         store, mover = self.store, self.store.mover
         per_batch = max(1, LOAD_BATCH_BYTES // store.spec.page_bytes)
-        retried = False
         while ticket.ready < len(ticket.keys) and not ticket.ended:
             with store._lock:
                 entries = self._chain(ticket, per_batch)
@@ -126,10 +117,8 @@ class PageIO:
             if not all(ok):
                 ticket.failed += ok.count(False)
                 return
-            if ticket.ready == before:   # warm had no room: write dirty pages behind to free some, once
-                if retried or not store.clean_warm(len(entries)):
-                    return
-            retried = ticket.ready == before
+            if ticket.ready == before and not wait_room():   # warm had no room, and write-behind freed none
+                return
 
     def _chain(self, ticket: LoadTicket, n: int) -> list[PageEntry]:
         out = []
@@ -170,62 +159,90 @@ class PageIO:
             self.store.release_warm(slots)
 
     # writes
-    def persist(self, entries: Sequence[PageEntry]) -> list[PageEntry]:
-        """Write entries to cold (blocking, outside the lock); returns those now cold-resident.
-        Makes room in cold first (leaves before parents); what still does not fit is skipped."""
+    def start_write(self, entries: Sequence[PageEntry]) -> "WriteJob | None":
+        """Plan and queue a write of entries to cold, without waiting for it (None: nothing to write).
+        Makes room in cold first (leaves before parents). Pages that cold cannot take (full, and
+        nothing more of it may be evicted) are stranded as cold_full. The pages are marked
+        `writing` until finish_write, which the caller owes every job, in the order started."""
         store, mover = self.store, self.store.mover
         if mover.durable is None or not entries:
-            return []
+            return None
         with store._lock:
             plan = mover.plan_write(list(entries))
             if not plan.entries:
-                return []
+                return None
             keys, fits = mover.cold_victims(plan.nbytes, {e.key for e in plan.entries})
             if store.cold.disk_bound:
                 self._disk_bound(len(keys))
-            planned = len(plan.entries)
+            left: list[PageEntry] = []
             while not fits and plan.entries:   # keep the chain's head: drop from the tail
-                for e in plan.entries[len(plan.entries) // 2:]:
-                    e.writing = False
-                    mover.index.changed(e)
                 half = len(plan.entries) // 2
+                left += plan.entries[half:]
                 plan.entries, plan.items, plan.sources = plan.entries[:half], plan.items[:half], plan.sources[:half]
                 plan.nbytes = sum(mover.record_bytes(e) for e in plan.entries)
                 more, fits = mover.cold_victims(plan.nbytes, {e.key for e in plan.entries})
                 keys += more
-        if len(plan.entries) < planned:
+            for e in left:
+                e.writing = False
+                mover.index.strand(e, "cold_full")
+        if left:
             self._write_failed(ColdFull(f"cold tier is full and nothing more in it may be evicted (pinned pages, "
-                                        f"parents of cold pages); {planned - len(plan.entries)} pages not written"),
-                               planned - len(plan.entries), full=True)
-        ok = False
+                                        f"parents of cold pages); {len(left)} pages not written"),
+                               len(left), full=True)
+        job = WriteJob(plan)
         try:
             self.drop_cold(keys)
-            ok = self._write(plan) if plan.entries else False
+            if plan.entries:
+                job.future = mover.write(plan)
+        except Exception as exc:  # noqa: BLE001 - refused at once (closed, full): finish_write reports it
+            job.error = exc
+        return job
+
+    def finish_write(self, job: "WriteJob") -> list[PageEntry]:
+        """Wait for a started write; mark its pages cold-resident once durable and return them. A page
+        whose writes failed MAX_WRITE_FAILURES times (disk errors) is stranded as write_error; the
+        others that failed stay dirty, queued."""
+        mover = self.store.mover
+        failure = "write_error"
+        try:
+            failure = self._settle(job) if job.plan.entries else None
         finally:
-            with store._lock:
-                done = mover.finish_write(plan, ok)
+            with self.store._lock:
+                done = mover.finish_write(job.plan, failure is None)
+                for e in job.plan.entries if failure else ():
+                    e.write_failures += 1
+                    if e.key in mover.index and (failure == "cold_full" or e.write_failures >= MAX_WRITE_FAILURES):
+                        mover.index.strand(e, failure)
         return done
 
-    def _write(self, plan) -> bool:
-        """put_many the plan; when cold is full, evict cold victims and retry. False: the pages stay in memory."""
-        store = self.store
+    def _settle(self, job: "WriteJob") -> str | None:
+        """Wait for the job's put_many; when cold is full, evict cold victims and put again. None once
+        durable, else why not (cold_full, write_error): the pages stay in memory."""
+        store, plan = self.store, job.plan
         for attempt in range(FULL_RETRIES + 1):
             try:
-                store.mover.write(plan).result()
+                if job.error is not None:
+                    raise job.error
+                job.future.result()
             except ColdFull as exc:
                 if attempt < FULL_RETRIES and self._make_room(plan, (attempt + 1) * plan.nbytes):
+                    job.error, job.future = None, None
+                    try:
+                        job.future = store.mover.write(plan)
+                    except Exception as again:  # noqa: BLE001 - refused at once again: the next round says
+                        job.error = again
                     continue
                 self._write_failed(exc, len(plan.entries), full=True)
-                return False
+                return "cold_full"
             except Exception as exc:  # noqa: BLE001 - a disk error, a closed tier: the pages stay in memory
                 self._write_failed(exc, len(plan.entries), full=False)
-                return False
+                return "write_error"
             if self._failing:
                 log.info("cold tier writes succeed again after %d failed write-behind batches", self._failing)
-            self._failing, self._unlogged, self.cold_full = 0, 0, False
-            self._log_interval = LOG_INTERVAL_S[0]
-            return True
-        return False
+            self._failing, self.cold_full = 0, False
+            self._log.reset()
+            return None
+        return "cold_full"
 
     def _disk_bound(self, evicted: int) -> None:
         """Cold evicts for its disk, not for cold.max_bytes: counted, and said once."""
@@ -252,16 +269,11 @@ class PageIO:
         self.last_write_error = " ".join(str(exc).split()) or type(exc).__name__
         self.cold_full = full
         self._failing += 1
-        self._unlogged += 1
-        now = time.monotonic()
-        if now < self._next_log:
-            return
-        since = f" ({self._unlogged} failed batches since the last report)" if self._unlogged > 1 else ""
-        log.warning("write-behind to cold failed%s: %s; %d pages stay in memory%s", " (full)" if full else "",
-                    self.last_write_error, pages, since)
-        self._unlogged = 0
-        self._next_log = now + self._log_interval
-        self._log_interval = min(2 * self._log_interval, LOG_INTERVAL_S[1])
+        count = self._log.due()
+        if count:
+            since = f" ({count} failed batches since the last report)" if count > 1 else ""
+            log.warning("write-behind to cold failed%s: %s; %d pages stay in memory%s", " (full)" if full else "",
+                        self.last_write_error, pages, since)
 
     def cold_state(self) -> dict:
         """The cold tier's write health: failed batches, the last error, whether it is full."""
@@ -281,28 +293,3 @@ class PageIO:
                 self.store.mover.deleting.difference_update(keys)
                 if failed:   # still stored, no longer indexed: deleted first next time cold needs room
                     self.store.mover.unindexed.update(keys)
-
-    def drain(self) -> None:
-        """Wait until the background work queued so far is done (tests, shutdown)."""
-        self._maint.submit(lambda: None).result()
-        self._reads.submit(lambda: None).result()
-
-    # maintenance
-    def kick(self) -> None:
-        """Ask for a rebalance on the maintenance thread soon (non-blocking, coalesced)."""
-        with self._kick_lock:
-            if self._kicked or self.closed:
-                return
-            self._kicked = True
-        try:
-            self._maint.submit(self._maintain)
-        except RuntimeError:   # shut down
-            pass
-
-    def _maintain(self) -> None:
-        with self._kick_lock:
-            self._kicked = False
-        try:
-            self.store.rebalance()
-        except Exception:  # noqa: BLE001 - the next kick or daemon round retries
-            log.exception("background rebalance failed")

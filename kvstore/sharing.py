@@ -5,8 +5,10 @@ lease_warm(keys) / allocate_warm(n) -> fill -> commit_warm(tokens, slots) -> rel
 
 Rules: a leased page stays in its warm slot, unchanged, until released (the mover does not
 evict it from warm); an allocated slot is the caller's alone until committed or released, and is
-tracked in `_warm_owned`. Every method takes the store's lock. The host class provides the lock,
-spec, config, warm tier, index, mover, io, write_through_pending, _warm_owned and _emit.
+tracked in `_warm_owned`. A caller that puts pages is a producer off the engine thread: when the
+write-behind queue is at its bound or warm has no clean room, allocate_warm waits for the daemon
+(bounded), then hands out what fits. Every method takes the store's lock. The host class
+provides the lock, spec, config, warm tier, index, mover, daemon, _warm_owned and _emit.
 """
 
 from __future__ import annotations
@@ -21,22 +23,35 @@ from kvstore.keys import Namespace, page_keys, tokens_bytes
 class WarmSharing:
     """lease_warm, allocate_warm, commit_warm, release_warm: see the module docstring."""
 
-    def allocate_warm(self, n: int) -> list[int]:
-        """n warm slots for the caller to fill, evicting unleased warm pages if needed (pages with no
-        cold copy are written behind first, outside the lock: this blocks, for worker threads)."""
-        with self._lock:
-            room = self.mover.make_room("warm", n, drop=self.cold is None)
-            short = n - self.warm.pool.num_free
-            victims = [] if room else self.mover.victims("warm", short)
-        if victims:
-            self._write_behind(victims, "warm")
-        with self._lock:
-            if not self.mover.make_room("warm", n):
-                raise OutOfCapacity(f"out of warm capacity: {n} warm pages requested, {self.warm.pool.num_free} free "
-                                    f"of {self.warm.num_slots} ({len(self._warm_owned)} allocated, others leased or pinned)")
-            slots = self.warm.pool.alloc(n)
+    def allocate_warm(self, n: int, wait_s: float | None = None, partial: bool = False) -> list[int]:
+        """n warm slots for the caller to fill, evicting unleased clean warm pages if needed. When the
+        write-behind queue is at its bound, or warm holds too few clean pages, this waits up to
+        wait_s (daemon.backpressure_timeout_s) for the daemon's writer: it blocks, for worker
+        threads. Then it raises OutOfCapacity, or with `partial` returns the slots that fit (maybe none)."""
+        wait_s = self.config.daemon.backpressure_timeout_s if wait_s is None else wait_s
+
+        def room() -> bool:
+            return self.mover.make_room("warm", n)
+
+        with self.daemon.room_for(n, wait_s, room) as fits:
+            k = n
+            if not fits:
+                k = min(self.daemon.room(n), self.warm.pool.num_free)
+                if not partial:
+                    self.daemon.refused(n)
+                    raise OutOfCapacity(self.warm_shortage(n), pending=bool(self.index.dirty))
+                self.daemon.refused(n - k)
+            slots = self.warm.pool.alloc(k) if k else []
             self._warm_owned.update(slots)
-            return slots
+        return slots
+
+    def warm_shortage(self, n: int) -> str:
+        """Why n warm slots are not to be had (under the lock)."""
+        dirty = len(self.index.dirty)
+        why = (f"{dirty} pages wait for write-behind (daemon.max_dirty_bytes: at most {self.daemon.max_dirty_pages})"
+               if self.daemon.over_bound(n) else f"{self.warm.pool.num_free} free of {self.warm.num_slots}, "
+               f"{len(self._warm_owned)} allocated, the others leased, pinned or waiting for write-behind")
+        return f"out of warm capacity: {n} warm pages requested; {why}"
 
     def commit_warm(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int],
                     start_page: int = 0) -> list[bytes]:
@@ -61,10 +76,9 @@ class WarmSharing:
                     e = self.index.add(PageEntry(keys[i], parent, namespace.digest,
                                                  tokens_bytes(tokens[i * ps:(i + 1) * ps]), depth=i))
                     self.index.set_warm(e, slot)
-                    if self.config.write_policy == "write_through":
-                        self.write_through_pending.append(keys[i])
                     self._emit("add", keys[i], "warm")
                 parent = keys[i]
+            self.daemon.wake()
         return keys[start_page:]
 
     def lease_warm(self, keys: Sequence[bytes], namespace: Namespace | None = None) -> list[int]:
@@ -82,13 +96,13 @@ class WarmSharing:
             cold = any(self.index.entries[k].tier not in (self.mover.top, self.mover.stage) for k in chain)
         if not cold:
             return self.lease_in_memory(chain)
-        ticket = self.io.load(chain)
+        ticket = self.daemon.load(chain)
         ticket.wait()
         with self._lock:
             try:
                 return self.lease_in_memory(chain[:ticket.ready])
             finally:
-                self.io.end_load(ticket)
+                self.daemon.end_load(ticket)
 
     def lease_in_memory(self, keys: Sequence[bytes]) -> list[int]:
         """lease_warm at memory speed: stops at the first page that is only in cold (never reads the disk)."""
@@ -118,3 +132,4 @@ class WarmSharing:
                     continue
                 self.index.warm_slots[slot].leases -= 1
                 self.index.touch(self.index.warm_slots[slot])
+            self.daemon.wake()   # room for a producer waiting on warm

@@ -5,20 +5,25 @@ built by name from the config (tiers/build.py), are named by hash-chained keys (
 by PageIndex (where, who holds them, how used), moved by PageMover and counted by MoveStats.
 Moving pages down on request and by watermarks is TierMaintenance's (maintenance.py).
 
-The engine's requests go through a CacheHandle (handle.py): `store.handle(namespace)`, then
-match -> load (cold pages up to warm, in the background) -> attach (hold the cached prefix in
-hot) -> grow (fresh hot slots) -> fill -> commit -> release. Released pages stay cached
-(refcount 0) until evicted. The same verbs exist on the store for other callers:
-match(tokens) -> acquire(keys) -> allocate(n) -> commit(tokens, slots) -> release(slots).
+The store is the one door: the engine, the sidecar, the job runner, the admin API and the tests
+all call its verbs (event loops through `daemon.run`, on worker threads). The engine's requests
+go through a CacheHandle (handle.py): `store.handle(namespace)`, then match -> load (cold pages
+up to warm, in the background) -> attach (hold the cached prefix in hot) -> grow (fresh hot
+slots) -> fill -> commit -> release. Released pages stay cached (refcount 0) until evicted.
 Another process sharing the warm tier (the sidecar's client) does the same in warm
 (sharing.py, WarmSharing):
 lease_warm(keys) / allocate_warm(n) -> fill -> commit_warm(tokens, slots) -> release_warm(slots).
 
+Retention: a committed or put page joins the write-behind queue at once; the Daemon (daemon.py),
+the store's one background component, writes it to cold, demotes by watermarks, loads and trims.
+No page leaves the store while cold could take it: a page without a cold copy stays in memory
+until written, and producers wait (bounded) for room instead (Daemon.room_for).
+
 Thread model: every public method takes one re-entrant lock. Methods the engine calls (match,
-acquire, allocate, commit, release, lease_in_memory, hot_budget) work at memory speed and never
-touch the disk. Disk work (loads, write-behind, cold eviction) runs in PageIO (pageio.py)
-outside the lock, on its own threads, or on the caller's thread for the blocking methods meant
-for worker threads (promote, lease_warm, evict, flush, rebalance, export_records, close).
+acquire, allocate, commit_keys, release, lease_in_memory, hot_budget) work at memory speed and
+never touch the disk. Disk work (loads, write-behind, cold eviction) runs on the Daemon's
+threads outside the lock, or on the caller's thread for the blocking methods meant for worker
+threads (promote, lease_warm, allocate_warm, evict, flush, rebalance, export_records, close).
 Opening the store indexes the cold tier in the background: pages become visible as they are
 indexed (`indexing` says how far it is). A store with a cold tier or a shared warm tier owns
 its data directory (DataDir: private modes, an exclusive lock, the warm segment's name) until
@@ -37,6 +42,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from kvstore.config import Config
+from kvstore.daemon import Daemon
 from kvstore.datadir import DataDir
 from kvstore.errors import KVStoreError, OutOfCapacity
 from kvstore.handle import CacheHandle
@@ -46,7 +52,6 @@ from kvstore import record
 from kvstore.maintenance import TierMaintenance
 from kvstore.move_stats import MoveStats
 from kvstore.mover import PageMover
-from kvstore.pageio import PageIO
 from kvstore.record import RecordHeader
 from kvstore.sharing import WarmSharing
 from kvstore.spec import KVSpec
@@ -122,12 +127,11 @@ class TieredStore(WarmSharing, TierMaintenance):
         self._owned: set[int] = set()   # hot slots allocated to callers and not committed
         self._warm_owned: set[int] = set()   # the same in warm (allocate_warm)
         self._listeners: list[Listener] = []
-        self._release_waiters: list[Callable[[], None]] = []
-        self.write_through_pending: list[bytes] = []
         # every built-in tier is reported, enabled or not
         self.counts = MoveStats(names if "cold" in names else (*names, "cold"), self.spec.page_bytes)
         self.mover = PageMover(self.spec, self.tiers, self.index, config.eviction_policy, self._emit, self.counts)
-        self.io = PageIO(self)
+        self.daemon = Daemon(self)
+        self.io = self.daemon.io   # the disk work, on the daemon's threads and worker threads
         self._maintenance = threading.Lock()   # one rebalance at a time
         self.indexing = {"done": self.cold is None, "pages": 0}
         self._closing = False
@@ -135,6 +139,7 @@ class TieredStore(WarmSharing, TierMaintenance):
         if self.cold is not None:
             self._indexer = threading.Thread(target=self._index_cold, name="kvstore-cold-index", daemon=True)
             self._indexer.start()
+        self.daemon.start()
 
     # the tiers, by role
     @property
@@ -198,17 +203,12 @@ class TieredStore(WarmSharing, TierMaintenance):
         return self.indexing["done"]
 
     def close(self, persist: bool = True) -> None:
-        """Stop the store. With persist, hot and warm pages not yet in cold are written there first."""
+        """Stop the store. With persist, the pages in memory not yet in cold are written there first
+        (the daemon drains its write-behind queue)."""
         self._closing = True
         if self._indexer is not None:
             self._indexer.join()
-        self.io.close()
-        if persist and self.cold is not None:
-            with self._lock:
-                pending = sorted((e for e in self.index.entries.values() if not e.cold), key=lambda e: e.depth)
-            for i in range(0, len(pending), 256):  # parents first: no orphans if cut short
-                if len(self.io.persist(pending[i:i + 256])) < len(pending[i:i + 256]):
-                    break
+        self.daemon.close(persist)
         with self._lock:
             for tier in reversed(self.tiers):
                 tier.close()
@@ -257,24 +257,32 @@ class TieredStore(WarmSharing, TierMaintenance):
 
     # callers' pages
     def allocate(self, n: int) -> list[int]:
-        """n hot slots for the caller to fill, evicting unreferenced pages if needed; never oversubscribes."""
+        """n hot slots for the caller to fill, evicting unreferenced pages if needed; never oversubscribes.
+        Raises OutOfCapacity (`pending` when dirty pages hold the room until they are written)."""
         with self._lock:
             if not self.mover.make_room("hot", n):
-                self.io.kick()   # the background may free pages that need a disk write first
+                self.daemon.kick()
+                dirty = self.mover.dirty_evictable("hot")
                 raise OutOfCapacity(
                     f"out of KV capacity: {n} hot pages requested, {self.hot.pool.num_free} free of "
                     f"{self.hot.num_pages} ({len(self._owned)} allocated, "
-                    f"{sum(1 for e in self.index.hot_slots.values() if e.refcount)} referenced)")
+                    f"{sum(1 for e in self.index.hot_slots.values() if e.refcount)} referenced, "
+                    f"{dirty} waiting for write-behind)", pending=dirty > 0)
             slots = self.hot.pool.alloc(n)
             self._owned.update(slots)
             self._kick_if_high()
             return slots
 
+    def writes_pending(self) -> bool:
+        """Whether pages wait for write-behind (room that the daemon's writer will free soon)."""
+        with self._lock:
+            return bool(self.index.dirty)
+
     def _kick_if_high(self) -> None:
         """Wake the background rebalance when hot or warm passes its high watermark."""
         for pool, cfg in ((self.hot.pool, self.config.hot), (self.warm.pool, self.config.warm)):
             if pool.num_slots and pool.num_used > cfg.high_watermark * pool.num_slots:
-                self.io.kick()
+                self.daemon.kick()
                 return
 
     @property
@@ -283,38 +291,40 @@ class TieredStore(WarmSharing, TierMaintenance):
         return self.hot.num_pages
 
     def admission_budget(self) -> int:
-        """Hot pages a new request may take now: free plus evictable, less the headroom the high
-        watermark keeps for running requests to grow."""
-        reserve = int((1 - self.config.hot.high_watermark) * self.hot.num_pages)
-        return self.hot_budget() - reserve
+        """Hot pages a new request may take now: hot_budget, less the headroom the high watermark
+        keeps for running requests to grow; nothing while the write-behind queue is at its bound
+        (a new request would only add to it)."""
+        with self._lock:
+            if self.daemon.over_bound():
+                return 0
+            reserve = int((1 - self.config.hot.high_watermark) * self.hot.num_pages)
+            return self.hot_budget() - reserve
 
     def hot_budget(self) -> int:
-        """Hot pages a new request could get now: free plus evictable."""
+        """Hot pages a new request could get now, without waiting for the disk: free, plus evictable
+        pages that can leave at once (a copy elsewhere) or move to warm's free or clean slots."""
         with self._lock:
             now = self.index.now()
-            return self.hot.pool.num_free + sum(1 for e in self.index.hot_slots.values()
-                                                if self.mover.evictable(e, "hot", now))
-
-    def commit(self, namespace: Namespace, tokens: Sequence[int], slots: Sequence[int],
-               start_page: int = 0) -> list[bytes]:
-        """Give keys to full pages of `tokens`; slots[i] holds page start_page + i, filled by the caller.
-
-        The caller keeps holding each committed page (one reference). A page whose key is
-        already cached in hot stays the caller's private copy and is freed on release.
-        Pages committed before (by this caller) are skipped. Returns the keys of those pages.
-        """
-        ps = self.spec.page_size
-        chain = page_keys(namespace, tokens, ps)[:start_page + len(slots)]
-        keys = chain[start_page:]
-        parent = chain[start_page - 1] if start_page else namespace.digest
-        return self.commit_keys(namespace, tokens, keys, slots, start_page, parent)
+            evictable = [e for e in self.index.hot_slots.values() if self.mover.evictable(e, "hot", now)]
+            dirty = sum(1 for e in evictable if e.residency <= 1 and not self.mover.droppable(e))
+            warm_room = 0
+            if dirty and self.warm.num_slots:
+                warm_room = self.warm.pool.num_free + len(self.mover.victims("warm", dirty, leaving=True))
+            return self.hot.pool.num_free + len(evictable) - dirty + min(dirty, warm_room)
 
     def commit_keys(self, namespace: Namespace, tokens: Sequence[int], keys: Sequence[bytes],
                     slots: Sequence[int], start_page: int, parent: bytes) -> list[bytes]:
-        """commit() with the keys of pages start_page.. already computed (a handle extends its chain)."""
+        """Give keys to pages start_page.. of `tokens`: slots[i] holds page start_page + i, filled by
+        the caller (a handle, which extends its chain and passes the keys).
+
+        The caller keeps holding each committed page (one reference). A page whose key is
+        already cached in hot stays the caller's private copy and is freed on release.
+        Pages committed before (by this caller) are skipped. New pages join the write-behind queue.
+        Returns the keys of those pages.
+        """
         ps = self.spec.page_size
         with self._lock:
-            prev = parent
+            prev, added = parent, False
             for i, key in enumerate(keys, start=start_page):
                 slot, e = slots[i - start_page], self.index.get(key)
                 if slot not in self._owned:
@@ -324,13 +334,14 @@ class TieredStore(WarmSharing, TierMaintenance):
                     if e is None:
                         e = self.index.add(PageEntry(key, prev, namespace.digest,
                                                      tokens_bytes(tokens[i * ps:(i + 1) * ps]), depth=i))
-                        if self.config.write_policy == "write_through":
-                            self.write_through_pending.append(key)
                     self._owned.discard(slot)
                     self.index.set_hot(e, slot)
                     e.refcount += 1
                     self._emit("add", key, "hot")
+                    added = True
                 prev = key
+            if added:
+                self.daemon.wake()
         return list(keys)
 
     def acquire(self, keys: Sequence[bytes]) -> list[int]:
@@ -368,19 +379,11 @@ class TieredStore(WarmSharing, TierMaintenance):
                     raise KVStoreError(f"release: hot slot {slot} is not held")
                 e.refcount -= 1
                 self.index.touch(e)
-            waiters, self._release_waiters = self._release_waiters, []
-        for wake in waiters:
-            wake()
-
-    def on_release(self, wake: Callable[[], None]) -> None:
-        """Call wake() once, after the next release (for callers waiting for capacity)."""
-        with self._lock:
-            self._release_waiters.append(wake)
 
     def promote(self, keys: Sequence[bytes], to: str = "warm") -> int:
         """Prefetch a prefix chain up to "warm" or "hot" without referencing it; returns pages done.
         Blocks while cold pages are read (outside the lock): for worker threads."""
-        ticket = self.io.load(keys)
+        ticket = self.daemon.load(keys)
         ready = ticket.wait()
         with self._lock:
             try:
@@ -396,7 +399,7 @@ class TieredStore(WarmSharing, TierMaintenance):
             except OutOfCapacity:
                 return done
             finally:
-                self.io.end_load(ticket)
+                self.daemon.end_load(ticket)
 
     # pages exchanged with peer instances, as cold-format records
     def export_records(self, namespace: bytes, keys: Sequence[bytes]) -> list[bytes]:
@@ -410,7 +413,7 @@ class TieredStore(WarmSharing, TierMaintenance):
                 if e is None or e.namespace != namespace:
                     break
                 chain.append(e)
-        ticket = self.io.load([e.key for e in chain])   # cold pages come up to warm, outside the lock
+        ticket = self.daemon.load([e.key for e in chain])   # cold pages come up to warm, outside the lock
         ticket.wait()
         with self._lock:
             try:
@@ -420,15 +423,20 @@ class TieredStore(WarmSharing, TierMaintenance):
                         break
                     out.append(record.encode_bytes(self.mover.header(e), page))
             finally:
-                self.io.end_load(ticket)
+                self.daemon.end_load(ticket)
         return out
 
     def import_records(self, records: Sequence[tuple[RecordHeader, bytes]]) -> int:
         """Put verified pages (a prefix chain whose first parent is cached or the root) into warm,
         as cached pages; returns how many are now cached. The caller has verified them."""
         source = PeerPages(self.spec, records)   # a read-only tier the mover reads into warm
-        with self._lock:
-            return self.mover.admit(source, [header for header, _ in records])
+        with self.daemon.room_for(len(records), self.config.daemon.backpressure_timeout_s):
+            done = self.mover.admit(source, [header for header, _ in records[:self.daemon.room(len(records))]])
+            if done:
+                self.daemon.wake()
+        if done < len(records):
+            self.daemon.refused(len(records) - done)
+        return done
 
     # operator controls
     def pin(self, keys: Iterable[bytes], ttl_s: float | None = None) -> int:
@@ -479,7 +487,8 @@ class TieredStore(WarmSharing, TierMaintenance):
             return {"page_bytes": self.spec.page_bytes, "spec": self.spec.describe(), "tiers": tiers,
                     "bytes_moved": counts["bytes_moved"], "entries": len(self.index),
                     "corrupt_pages": counts["corrupt_pages"], "mismatched_pages": counts["mismatched_pages"],
-                    "dropped_pages": counts["dropped_pages"], "cold_write_errors": self.io.write_errors,
+                    "dropped_pages": counts["dropped_pages"], "dropped_by_reason": counts["dropped_by_reason"],
+                    "write_behind": self.daemon.stats(), "cold_write_errors": self.io.write_errors,
                     "cold": self.cold_state(), "cold_indexing": dict(self.indexing),
                     "eviction_policy": self.mover.policy, "write_policy": self.config.write_policy}
 

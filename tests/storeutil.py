@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kvstore.config import load_config
+from kvstore.errors import OutOfCapacity
 from kvstore.keys import Namespace, page_keys, tokens_bytes
 from kvstore.record import PREFIX_BYTES, RecordHeader
 from kvstore.spec import KVSpec
@@ -19,11 +20,19 @@ SPEC = KVSpec(2, 2, 16, "float32", 16)  # 8 KiB pages
 RECORD_BYTES = SPEC.page_bytes + PREFIX_BYTES + 256  # a cold record, header included (upper bound)
 
 
+# No watermark demotion in the background (the daemon's round, kicked by an allocation past the
+# high watermark): for tests that count each move the test itself makes.
+QUIET = {"hot.high_watermark": "1.0", "warm.high_watermark": "1.0"}
+
+
 def make_config(data_dir, hot=8, warm=8, cold=32, **overrides):
-    """Tier sizes in pages."""
+    """Tier sizes in pages. The daemon's watermark round waits for a kick (daemon.interval_s of an
+    hour), so that tiers change only when a test makes them; write-behind runs as ever. A producer
+    waits 0.2 s for write-behind (daemon.backpressure_timeout_s), not 5."""
     values = {"data_dir": str(data_dir), "model": "tiny", "kv_dtype": "float32", "hot.device": HOT_DEVICE,
               "hot.pool": str(hot * SPEC.page_bytes), "warm.bytes": str(warm * SPEC.page_bytes),
-              "cold.max_bytes": str(cold * RECORD_BYTES)}
+              "cold.max_bytes": str(cold * RECORD_BYTES), "daemon.interval_s": "3600",
+              "daemon.backpressure_timeout_s": "0.2"}
     values.update({k: str(v) for k, v in overrides.items()})
     return load_config(env={}, overrides=values)
 
@@ -51,20 +60,39 @@ def tokens_for(doc: int, pages: int) -> list[int]:
     return [(doc * 7919 + i * 31) % 500 for i in range(pages * SPEC.page_size)]
 
 
+def grow(handle, pages: int) -> None:
+    """handle.grow, waiting for write-behind when dirty pages hold the room (as the engine waits a step)."""
+    while True:
+        try:
+            return handle.grow(pages)
+        except OutOfCapacity as exc:
+            if not exc.pending:
+                raise
+            handle.store.daemon.wait_progress(1.0)
+
+
 def fill_and_commit(store: TieredStore, ns, tokens: list[int], start: int = 0):
-    """Compute (here: write deterministic content for) the pages after the cached prefix; returns
-    (all slots held, keys). Content of page i depends only on its key, as real KV would."""
-    m = store.match(tokens, ns)
-    held = hold(store, m.keys)
-    n = len(tokens) // SPEC.page_size - len(held)
-    fresh = store.allocate(n) if n > 0 else []
-    slots = held + fresh
-    from kvstore.keys import page_keys
+    """Compute (here: write deterministic content for) the pages after the cached prefix, through a
+    request's handle as the engine does; returns (all hot slots held, keys). Content of page i
+    depends only on its key, as real KV would. The caller releases the slots (store.release)."""
+    h = store.handle(ns)
+    m = h.match(tokens)
+    store.promote(m.keys, "warm")   # cold pages up first (attach never reads the disk)
+    h.attach(m)
+    held = h.num_pages
+    grow(h, len(tokens) // SPEC.page_size)
     keys = page_keys(ns, tokens, SPEC.page_size)
-    for i, slot in enumerate(fresh, start=len(held)):
+    for i, slot in enumerate(h.slots[held:], start=held):
         store.hot.write_page(slot, page_content(int.from_bytes(keys[i][:4], "little")))
-    store.commit(ns, tokens, slots)
-    return slots, keys
+    h.commit(tokens, len(tokens) // SPEC.page_size)
+    return h.slots, keys
+
+
+def settle(store: TieredStore, timeout: float = 30.0) -> None:
+    """Wait until write-behind has written every dirty page (tests that count tiers)."""
+    with store._lock:
+        dirty = list(store.index.dirty.values())
+    assert store.daemon.wait_clean(dirty, timeout), "write-behind did not catch up"
 
 
 def expected_page(key: bytes) -> torch.Tensor:

@@ -25,11 +25,15 @@ def in_tier(e: PageEntry, tier: str) -> bool:
     return e.hot is not None if tier == "hot" else e.warm is not None if tier == "warm" else e.cold
 
 
-def brute_victims(mover: PageMover, policy: str, tier: str, n: int, exclude: set, leaves: bool) -> list:
-    """The scan PageMover.victims did before the queues, with the same tie-break."""
+def brute_victims(mover: PageMover, policy: str, tier: str, n: int, exclude: set, leaving: bool,
+                  outside: bool) -> list:
+    """The scan PageMover.victims did before the queues, with the same tie-break. `leaving`: a copy
+    elsewhere, or a droppable leaf (this mover has no durable tier); `outside`: no copy in memory."""
     index, now, key = mover.index, mover.index.now(), POLICIES.get(policy)
     cands = [e for e in index.entries.values() if in_tier(e, tier) and mover.evictable(e, tier, now)
-             and e.key not in exclude and not (leaves and e.kids)]
+             and e.key not in exclude
+             and not (leaving and e.residency <= 1 and (e.kids or e.writing))
+             and not (outside and (e.hot is not None or e.warm is not None))]
     return heapq.nsmallest(n, cands, key=lambda e: (key(e), e.seq))
 
 
@@ -132,14 +136,15 @@ class Model:
         index, mover = self.index, self.mover
         assert set(index.in_tier("cold")) == {e for e in index.entries.values() if e.cold}
         exclude = {e.key for i, e in enumerate(index.entries.values()) if (i + a) % 5 == 0}
-        cases = ((n, set(), False), (len(index) + 1, set(), False), (n, exclude, True), (n, exclude, False))
+        cases = ((n, set(), False, False), (len(index) + 1, set(), False, False), (n, exclude, True, False),
+                 (n, exclude, False, True), (n, set(), True, True))
         for policy in POLICY_NAMES:
             mover.policy = policy
             for tier in TIERS:
-                for k, ex, leaves in cases:
-                    got = mover.victims(tier, k, ex, leaves)
-                    want = brute_victims(mover, policy, tier, k, ex, leaves)
-                    assert [e.key for e in got] == [e.key for e in want], (policy, tier, k, leaves)
+                for k, ex, leaving, outside in cases:
+                    got = mover.victims(tier, k, ex, leaving, outside)
+                    want = brute_victims(mover, policy, tier, k, ex, leaving, outside)
+                    assert [e.key for e in got] == [e.key for e in want], (policy, tier, k, leaving, outside)
         now = index.now()
         ok = lambda e: not e.refcount and not e.pinned(now)  # noqa: E731  (TieredStore._trim_index)
         for k in (n, len(index) + 1):

@@ -14,7 +14,7 @@ from kvstore.errors import KVStoreError, OutOfCapacity
 from kvstore.keys import Namespace, page_keys, tokens_bytes
 from kvstore.record import RecordHeader
 from kvstore.spec import KVSpec
-from storeutil import SPEC, expected_page, fill_and_commit, hold, make_store, tokens_for
+from storeutil import SPEC, expected_page, fill_and_commit, hold, make_store, settle, tokens_for
 
 
 @pytest.fixture
@@ -33,6 +33,7 @@ def test_demote_to_cold_and_promote_back_is_byte_identical(store):
     tokens = tokens_for(1, 6)
     slots, keys = fill_and_commit(store, ns, tokens)
     store.release(slots)
+    settle(store)   # written behind from hot, as they were committed
     assert store.match(tokens, ns).tiers == ["hot"] * 6
     store.evict(keys, to="warm")
     assert store.match(tokens, ns).tiers == ["warm"] * 6
@@ -44,7 +45,7 @@ def test_demote_to_cold_and_promote_back_is_byte_identical(store):
     store.release(got)
     st = store.stats()
     assert st["bytes_moved"]["hot_to_warm"] == 6 * SPEC.page_bytes
-    assert st["bytes_moved"]["warm_to_cold"] == 6 * SPEC.page_bytes
+    assert st["bytes_moved"]["hot_to_cold"] == 6 * SPEC.page_bytes and st["bytes_moved"]["warm_to_cold"] == 0
     assert st["tiers"]["cold"]["hits"] == 6
     assert store.audit()["problems"] == []
 
@@ -178,7 +179,8 @@ def test_released_pages_stay_cached_and_tail_goes_first(tmp_path):
         slots, keys = fill_and_commit(s, ns, tokens)
         s.release(slots)
         assert s.match(tokens, ns).tiers == ["hot"] * 4
-        s.rebalance()   # the daemon's round: above the high watermark, the tail is written behind to cold
+        settle(s)       # written behind to cold as they were committed
+        s.rebalance()   # the daemon's round: above the high watermark, the tail leaves hot
         assert s.match(tokens, ns).tiers == ["hot", "hot", "hot", "cold"]
         fresh = s.allocate(1)  # one cached page must go: the tail
         assert s.match(tokens, ns).tiers == ["hot", "hot", "hot", "cold"]
@@ -268,7 +270,7 @@ def test_write_through_copies_committed_pages_down(tmp_path):
         ns = s.namespace()
         slots, keys = fill_and_commit(s, ns, tokens_for(15, 3))
         s.release(slots)
-        assert s.write_through() == 3
+        settle(s)   # write-behind copies them to warm on the way to cold
         assert all(e.warm is not None and e.cold for e in map(s.index.get, keys))
         moved_before = dict(s.stats()["bytes_moved"])
         s.evict(keys, to="cold")  # only frees: copies exist already
@@ -302,3 +304,32 @@ def test_open_serves_at_once_and_indexes_cold_in_the_background(tmp_path):
         assert s.audit()["problems"] == []
     finally:
         s.close(persist=False)
+
+
+def test_rebalance_brings_cold_below_its_low_watermark(tmp_path):
+    """Above cold.high_watermark, rebalance frees cold down to cold.low_watermark: as many bytes as
+    the excess, whatever room the tier still has (it once subtracted that room from the excess, and
+    with the room larger than the excess freed nothing)."""
+    probe = make_store(tmp_path / "probe")
+    try:
+        slots, keys = fill_and_commit(probe, probe.namespace(), tokens_for(50, 1))
+        probe.release(slots)
+        probe.evict(keys, to="cold")
+        record = probe.cold.used_bytes      # one record's bytes, header included
+    finally:
+        probe.close()
+    s = make_store(tmp_path / "s", hot=16, warm=16, **{
+        "cold.max_bytes": str(int(19.2 * record)), "cold.map_size_max": "64MiB",   # the room is max_bytes'
+        "cold.high_watermark": "0.5", "cold.low_watermark": "0.15"})
+    try:
+        ns = s.namespace()
+        for doc in range(10):           # 10 records: 52% of the tier, above its high watermark
+            slots, keys = fill_and_commit(s, ns, tokens_for(60 + doc, 1))
+            s.release(slots)
+            s.evict(keys, to="cold")
+        assert s.cold.used_bytes == 10 * record
+        s.rebalance()
+        assert s.cold.used_bytes <= 0.15 * s.cold.capacity_bytes, s.cold.used_bytes / record
+        assert s.audit()["problems"] == []
+    finally:
+        s.close()

@@ -1,9 +1,12 @@
 """A hypothesis state machine over random request / pin / evict / rebalance sequences.
 
-Invariants after every step: no tier exceeds its bytes; referenced pages stay in hot with
-their bytes intact; pinned pages keep every copy they had; a cold record is removed only when
-no child of it is in cold (leaves before parents); the audit finds nothing. At the end, once
-everything is released, no reference and no allocated slot is left (nothing leaked).
+Requests go through the store's one door, a CacheHandle, as the engine's do; write-behind and the
+daemon run in the background meanwhile. Invariants after every step: no tier exceeds its bytes;
+referenced pages stay in hot with their bytes intact; pinned pages keep every copy they had; a
+cold record is removed only when no child of it is in cold (leaves before parents); the audit
+finds nothing; pages leave the store only when cold refused them (cold_full), and with a cold
+tier that has room (the `roomy` stores) never: every committed page is kept until an operator
+evicts it. At the end, once everything is released, no reference and no allocated slot is left.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvstore.errors import OutOfCapacity
 from kvstore.keys import page_keys
-from storeutil import SPEC, expected_page, make_store
+from storeutil import SPEC, expected_page, make_store, settle
 
 PS = SPEC.page_size
 # Documents share prefixes: doc d's page i has tokens from (d // 3 if i < 2 else d, i).
@@ -30,17 +33,22 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="kvstore-sm-")
         self.store = None
-        self.requests: list[list[int]] = []   # hot slots held by running requests
+        self.requests: list = []   # the handles of running requests
         self.pinned: dict[bytes, set[str]] = {}
         self.violations: list[str] = []
+        self.kept: set[bytes] = set()   # committed pages no operator has taken out of the store
+        self.roomy = False
 
     @rule(policy=st.sampled_from(["lru", "lfu", "refcount", "prefix_aware"]),
-          write=st.sampled_from(["write_back", "write_through"]))
+          write=st.sampled_from(["write_back", "write_through"]), roomy=st.booleans())
     @precondition(lambda self: self.store is None)
-    def open(self, policy, write):
-        self.store = make_store(self.dir, hot=6, warm=4, cold=6, eviction_policy=policy, write_policy=write)
+    def open(self, policy, write, roomy):
+        self.roomy = roomy   # cold holds every page (else 6 records: it must refuse some)
+        self.store = make_store(self.dir, hot=6, warm=4, cold=200 if roomy else 6, eviction_policy=policy,
+                                write_policy=write)
         self.ns = self.store.namespace()
         self.store.add_listener(self._on_event)
+        self.kept = set(self.store.index.entries)
 
     def _on_event(self, event, key, tier):
         if event == "remove" and tier == "cold":
@@ -56,28 +64,31 @@ class StoreMachine(RuleBasedStateMachine):
     def request(self, doc, pages):
         tokens = DOCS[doc][:pages * PS]
         keys = page_keys(self.ns, tokens, PS)
-        m = self.store.match(tokens, self.ns)
+        h = self.store.handle(self.ns)
+        m = h.match(tokens)
         try:
-            held = self.store.acquire(m.keys)
+            h.attach(m)
         except OutOfCapacity:
             return
-        for slot, key in zip(held, keys):
+        for slot, key in zip(h.slots, keys):
             assert torch.equal(self.store.hot.read_page(slot), expected_page(key)), "cache hit differs"
+        held = h.num_pages
         try:
-            fresh = self.store.allocate(pages - len(held))
+            h.grow(pages)
         except OutOfCapacity:
-            self.store.release(held)
+            h.release()
             return
-        for i, slot in enumerate(fresh, start=len(held)):
+        for i, slot in enumerate(h.slots[held:], start=held):
             self.store.hot.write_page(slot, expected_page(keys[i]))
-        self.store.commit(self.ns, tokens, held + fresh)
-        self.requests.append(held + fresh)
+        h.commit(tokens, pages)
+        self.kept.update(keys[:pages])
+        self.requests.append(h)
 
     @precondition(lambda self: self.store is not None and self.requests)
     @rule(data=st.data())
     def finish(self, data):
         i = data.draw(st.integers(0, len(self.requests) - 1))
-        self.store.release(self.requests.pop(i))
+        self.requests.pop(i).release()
 
     @precondition(lambda self: self.store is not None)
     @rule(doc=st.integers(0, 5))
@@ -96,41 +107,56 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.store is not None)
     @rule(doc=st.integers(0, 5), to=st.sampled_from(["warm", "cold", None]))
     def evict(self, doc, to):
-        self.store.evict(self.store.match(DOCS[doc], self.ns).keys, to=to)
+        keys = self.store.match(DOCS[doc], self.ns).keys
+        self.store.evict(keys, to=to)
+        self._forget_gone()
 
     @precondition(lambda self: self.store is not None)
     @rule(tier=st.sampled_from(["hot", "warm", "cold"]))
     def flush(self, tier):
         self.store.flush(tier)
+        self._forget_gone()
+
+    def _forget_gone(self):
+        """Pages an operator took out of the store are no longer owed."""
+        self.kept &= set(self.store.index.entries)
 
     @precondition(lambda self: self.store is not None)
     @rule()
     def rebalance(self):
         self.store.rebalance()
-        if self.store.config.write_policy == "write_through":
-            self.store.write_through()
+
+    @precondition(lambda self: self.store is not None)
+    @rule()
+    def settle(self):
+        settle(self.store)
 
     @invariant()
     def bounded_and_consistent(self):
         if self.store is None:
             return
         s = self.store
-        s.io.drain()   # background write-behind kicked by this step: let it land before checking
         for tier in (s.hot, s.warm, s.cold):
             assert tier.used_bytes <= tier.capacity_bytes, f"{tier.name} over its bytes"
         assert s.audit()["problems"] == []
         assert not self.violations, self.violations
-        for slots in self.requests:
-            for slot in slots:
+        for h in self.requests:
+            for slot in h.slots:
                 assert slot in s._owned or s.index.hot_slots[slot].refcount > 0, "held page lost"
+        st = s.stats()
+        drops = {r: n for r, n in st["dropped_by_reason"].items() if n}
+        assert set(drops) <= {"cold_full"} and not (self.roomy and drops), f"pages dropped: {drops}"
+        if self.roomy:
+            lost = [k.hex()[:8] for k in self.kept if k not in s.index]
+            assert not lost, f"committed pages lost with room in cold: {lost}"
         for key, tiers in self.pinned.items():
             e = s.index.get(key)
             assert e is not None and tiers <= self._tiers(e), "pinned page evicted"
 
     def teardown(self):
         if self.store is not None:
-            for slots in self.requests:
-                self.store.release(slots)
+            for h in self.requests:
+                h.release()
             audit = self.store.audit()
             try:
                 assert audit["total_refcount"] == 0 and audit["allocated_slots"] == 0, audit

@@ -20,12 +20,12 @@ CLUSTER: web.AppKey = web.AppKey("kvstore.cluster", object)
 
 
 class ClusterNode:
-    def __init__(self, config: Config, store, daemon, url: str,
+    def __init__(self, config: Config, store, url: str,
                  prefill_tokens_per_s=lambda: 2000.0):
-        self.config, self.store, self.daemon = config, store, daemon
+        self.config, self.store = config, store
         cfg = config.cluster
         self.index = RedisIndex(cfg, cfg.advertise_url or url, store.residency, self._snapshot)
-        self.fetcher = PeerFetcher(store, daemon, self.index, cfg.token, cfg.fetch_policy, prefill_tokens_per_s)
+        self.fetcher = PeerFetcher(store, self.index, cfg.token, cfg.fetch_policy, prefill_tokens_per_s)
 
     def _snapshot(self):
         return [(k, tier, ns) for k, (tier, ns) in self.store.residency().items()]
@@ -64,7 +64,7 @@ def peer_status(node: ClusterNode | None) -> dict:
     return {"serving": True, "fetching": True, "reason": None}
 
 
-def add_cluster_routes(app: web.Application, store, daemon) -> None:
+def add_cluster_routes(app: web.Application, store) -> None:
     """/v1/peers, /v1/peers/forget and /v1/peer/pages; app[CLUSTER] is the ClusterNode, if any.
     The admin app validates their inputs against its OpenAPI document (kvstore/server/validate.py),
     but for /v1/peer/pages, which authenticates the peer first and checks its own body."""
@@ -87,7 +87,7 @@ def add_cluster_routes(app: web.Application, store, daemon) -> None:
 
     async def pages(request: web.Request) -> web.StreamResponse:
         node = request.app.get(CLUSTER)
-        return await serve_pages(request, store, daemon, node.config.cluster.token if node else "")
+        return await serve_pages(request, store, node.config.cluster.token if node else "")
 
     app.router.add_get("/v1/peers", peers)
     app.router.add_post("/v1/peers/forget", forget)

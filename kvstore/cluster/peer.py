@@ -45,7 +45,7 @@ def _authorized(request: web.Request, token: str) -> bool:
     return bool(token) and hmac.compare_digest(given, f"Bearer {token}".encode())
 
 
-async def serve_pages(request: web.Request, store, daemon, token: str) -> web.StreamResponse:
+async def serve_pages(request: web.Request, store, token: str) -> web.StreamResponse:
     """POST /v1/peer/pages: this instance's pages of a prefix chain, for a peer holding the token."""
     if not token:
         return web.json_response({"error": "peer fetch is disabled: set cluster.token"}, status=403)
@@ -60,7 +60,7 @@ async def serve_pages(request: web.Request, store, daemon, token: str) -> web.St
     except (ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError):
         return web.json_response({"error": "body must be {\"namespace\": 64 hex, \"keys\": [64 hex, ...]} "
                                            f"with 1 to {MAX_KEYS} keys"}, status=400)
-    records = await daemon.run(store.export_records, ns, keys)
+    records = await store.daemon.run(store.export_records, ns, keys)
     resp = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
     await resp.prepare(request)
     for rec in records:
@@ -72,9 +72,9 @@ async def serve_pages(request: web.Request, store, daemon, token: str) -> web.St
 class PeerFetcher:
     """Pulls a prompt's cached prefix from the peer that holds the longest one."""
 
-    def __init__(self, store, daemon, index, token: str, policy: str = "auto",
+    def __init__(self, store, index, token: str, policy: str = "auto",
                  prefill_tokens_per_s: Callable[[], float] = lambda: 2000.0):
-        self.store, self.daemon, self.index = store, daemon, index
+        self.store, self.daemon, self.index = store, store.daemon, index
         self.token, self.policy = token, policy
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.bandwidth = 200e6          # bytes/s, measured as fetches happen (EWMA)

@@ -4,7 +4,7 @@ its dashboard.html) and the Prometheus metrics (metrics.py).
 `kvstore serve` and `kvstore sidecar` start the admin API next to their own work:
 
     metrics = Metrics(store, engine)                 # engine: an LLM / AsyncLLM, or None
-    app = create_admin_app(store, daemon, config, engine, metrics)
+    app = create_admin_app(store, config, engine, metrics)
     runner = await start_admin(app, config)          # KVStoreError: exposed without a token, port taken
     ...                                              # on SIGTERM: set_draining(app), then drain
     await runner.cleanup()

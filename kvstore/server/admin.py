@@ -1,13 +1,13 @@
 """The REST admin API (aiohttp): health, stats, pages, prefixes, lookup, pin, evict, flush, config.
 
-    app = create_admin_app(store, daemon, config, engine=llm, metrics=Metrics(store, llm))
+    app = create_admin_app(store, config, engine=llm, metrics=Metrics(store, llm))
     runner = await start_admin(app, config)     # binds admin.host:admin.port (TLS with a cert and key)
     print(admin_url(runner))
     ...
     await runner.cleanup()
 
 Rules:
-- every store call runs in the daemon's worker threads (`await daemon.run(...)`), never on the loop;
+- every store call runs in the store daemon's worker threads (`await store.daemon.run(...)`), never on the loop;
 - when admin.token is set, every path but /healthz, /readyz and / (the dashboard's static page)
   needs `Authorization: Bearer <token>`; start_admin refuses a non-loopback address without one;
 - errors are JSON `{"error": "one line"}`: 400 bad input, 401, 404, 405, 409 (the store refused),
@@ -39,7 +39,7 @@ from kvstore.errors import KVStoreError
 from kvstore.server import openapi
 from kvstore.server import validate as check
 from kvstore.server.validate import AdminError
-from kvstore.server.views import get_page, list_pages, top_prefixes
+from kvstore.server.views import get_page, list_pages, top_prefixes, write_health
 from kvstore.server.history import add_history
 from kvstore.server.metrics import CONTENT_TYPE, Metrics, engine_stats
 
@@ -81,11 +81,12 @@ async def readyz(request: web.Request) -> web.Response:
               "accepting": not state.draining}
     ready = all(checks.values())
     cluster = request.app.get(CLUSTER)
+    writes = await state.daemon.run(write_health, state.store)   # shown, not a condition of readiness
     return web.json_response({"ready": ready, "checks": checks,
                               "cluster": cluster.index.state if cluster else "disabled",
                               "peers": peer_status(cluster),
                               "cold_index": dict(state.store.indexing),
-                              "cold": state.store.cold_state()},
+                              "cold": state.store.cold_state(), **writes},
                              status=200 if ready else 503)
 
 
@@ -276,15 +277,16 @@ class AccessLogger(AbstractAccessLogger):
 
 
 # app and server
-def create_admin_app(store, daemon, config: Config, engine: Any = None,
+def create_admin_app(store, config: Config, engine: Any = None,
                      metrics: Metrics | None = None, model_name: str | None = None) -> web.Application:
-    """The admin API over a store and its daemon; `engine` (an LLM or AsyncLLM) adds the queue to
-    the stats, text lookups (its tokenizer) and its `ready` flag to /readyz; `model_name` is the
-    model as its API names it (default: the engine's)."""
+    """The admin API over a store (its calls run on the store daemon's worker threads); `engine` (an
+    LLM or AsyncLLM) adds the queue to the stats, text lookups (its tokenizer) and its `ready` flag
+    to /readyz; `model_name` is the model as its API names it (default: the engine's)."""
     llm = getattr(engine, "llm", engine)
     model_name = model_name or getattr(llm, "model_name", None)
     app = web.Application(client_max_size=config.admin.max_body_bytes, middlewares=[guard])
-    app[STATE] = AdminState(store, daemon, config, engine, metrics or Metrics(store, engine), model_name)
+    app[STATE] = AdminState(store, store.daemon if store is not None else None, config, engine,
+                            metrics or Metrics(store, engine), model_name)
     app[REQUESTS] = check.Requests(openapi.DOCUMENT)
     add = app.router
     add.add_get("/healthz", healthz)
@@ -302,7 +304,7 @@ def create_admin_app(store, daemon, config: Config, engine: Any = None,
     add.add_get("/v1/config", config_view)
     add.add_get("/metrics", metrics_text)
     add.add_get("/openapi.json", openapi_json)
-    add_cluster_routes(app, store, daemon)
+    add_cluster_routes(app, store)
     add_history(app, app[STATE])   # GET /v1/history and its sampler, running while the app does
     return app
 

@@ -10,6 +10,11 @@ Token counters follow vLLM's prefix-cache ones: kvstore_prefix_cache_queries_tot
 prompt tokens looked up, kvstore_prefix_cache_hits_total{tier} those served from each tier, so
 the hit rate is sum(rate(hits[5m])) / sum(rate(queries[5m])).
 
+Write-behind is kvstore_write_behind_* (dirty pages against their bound, the oldest one's age,
+pages written, pages cold refused) and kvstore_backpressure_* (producers that waited for it, and
+the pages they did not store); kvstore_dropped_pages_total{reason} counts pages that left the
+store with no copy below, every reason's series present from the start.
+
 render() reads the store under its lock: async callers run it in the daemon's worker threads.
 It leaves out the `_created` series that prometheus_client adds to counters and histograms (the
 process-global switch disable_created_metrics() is not touched).
@@ -22,6 +27,8 @@ from typing import Any, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvstore.move_stats import DROP_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TIERS = ("hot", "warm", "cold")
@@ -37,6 +44,28 @@ def engine_stats(engine: Any) -> dict | None:
         return None
     target = engine if hasattr(engine, "stats") else getattr(engine, "llm", None)
     return dict(target.stats()) if target is not None else None
+
+
+def write_behind(wb: dict) -> Iterable[Metric]:
+    """The write-behind queue and the producers' backpressure (store.stats()["write_behind"])."""
+    yield GaugeMetricFamily("kvstore_write_behind_dirty_pages", "Pages in memory not yet written to cold",
+                            value=wb["dirty_pages"])
+    yield GaugeMetricFamily("kvstore_write_behind_max_dirty_pages", "The bound on dirty pages (0 without a cold "
+                            "tier)", value=wb["max_dirty_pages"])
+    yield GaugeMetricFamily("kvstore_write_behind_lag_seconds", "Age of the oldest dirty page (0 when none)",
+                            value=wb["lag_s"])
+    yield CounterMetricFamily("kvstore_write_behind_written_pages", "Pages written to cold by write-behind",
+                              value=wb["written_pages"])
+    yield CounterMetricFamily("kvstore_write_behind_batches", "Write-behind batches run (one cold transaction "
+                              "each), failed ones included", value=wb["write_batches"])
+    yield GaugeMetricFamily("kvstore_write_behind_stranded_pages", "Dirty pages cold refused; retried, and they "
+                            "may be dropped", value=wb["stranded_pages"])
+    yield CounterMetricFamily("kvstore_backpressure_waits", "Producers (sidecar puts, peer imports) that waited "
+                              "for write-behind", value=wb["backpressure_waits"])
+    yield CounterMetricFamily("kvstore_backpressure_wait_seconds", "Seconds producers waited for write-behind",
+                              value=wb["backpressure_wait_s"])
+    yield CounterMetricFamily("kvstore_backpressure_refused_pages", "Pages producers did not store after waiting "
+                              "their bound", value=wb["refused_pages"])
 
 
 class StoreCollector(Collector):
@@ -80,10 +109,14 @@ class StoreCollector(Collector):
                                   value=stats["corrupt_pages"])
         yield CounterMetricFamily("kvstore_mismatched_pages", "Lookups whose page did not match the request's "
                                   "tokens", value=stats["mismatched_pages"])
-        yield CounterMetricFamily("kvstore_dropped_pages", "Cached pages that left the store for lack of room "
-                                  "(no lower tier could take them at once)", value=stats["dropped_pages"])
+        dropped = CounterMetricFamily("kvstore_dropped_pages", "Cached pages that left the store with no copy "
+                                      "below, by reason", labels=["reason"])
+        for reason in DROP_REASONS:   # every reason from the start, so rates are defined
+            dropped.add_metric([reason], stats["dropped_by_reason"].get(reason, 0))
+        yield dropped
         yield CounterMetricFamily("kvstore_cold_write_errors", "Write-behind batches the cold tier refused "
                                   "(disk or map full); their pages stayed in memory", value=stats["cold_write_errors"])
+        yield from write_behind(stats["write_behind"])
         yield GaugeMetricFamily("kvstore_cold_index_done", "1 once the cold tier's records are all indexed "
                                 "after a start", value=1 if stats["cold_indexing"]["done"] else 0)
         yield GaugeMetricFamily("kvstore_index_entries", "Pages in the index", value=stats["entries"])

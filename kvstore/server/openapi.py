@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 from kvstore import __version__
+from kvstore.move_stats import DROP_REASONS
 
 HEX_KEY = "^[0-9a-fA-F]{64}$"
 MAX_TOKEN_ID = 2**31 - 1
@@ -46,6 +47,30 @@ _TTL = {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TTL_S,
         "description": "seconds the pin lasts (default: config pin_ttl_s)"}
 _KEYS_OR_TOKENS = [{"required": ["keys"]}, {"required": ["tokens"]}]
 
+# store.stats()["write_behind"], the part of it /readyz shows, and the drops by reason
+_WRITE_BEHIND = {
+    "dirty_pages": {**_int(), "description": "pages in memory not yet written to cold (the write-behind queue)"},
+    "dirty_bytes": {**_int(), "description": "their bytes"},
+    "max_dirty_pages": {**_int(), "description": "the bound on dirty pages (daemon.max_dirty_bytes, at most half "
+                                                 "the warm tier); 0 without a cold tier"},
+    "queued_pages": {**_int(), "description": "dirty pages waiting for a write"},
+    "writing_pages": {**_int(), "description": "dirty pages in a write now"},
+    "lag_s": {"type": "number", "minimum": 0, "description": "age in seconds of the oldest dirty page (0 when none)"},
+    "written_pages": {**_int(), "description": "pages written to cold (counter)"},
+    "write_batches": {**_int(), "description": "write-behind batches run, failed ones included (counter)"},
+    "stranded_pages": {**_int(), "description": "dirty pages cold refused (full, or failing writes): retried every "
+                                                "few seconds, and they may be dropped"},
+    "backpressure_waits": {**_int(), "description": "producers (sidecar puts, peer imports) that waited for room "
+                                                    "(counter)"},
+    "backpressure_wait_s": {"type": "number", "minimum": 0, "description": "seconds they waited (counter)"},
+    "refused_pages": {**_int(), "description": "pages producers did not store after waiting their bound (counter)"},
+}
+_DROPPED = _obj({reason: _int() for reason in DROP_REASONS},
+                description="pages that left the store with no copy below, by reason: no_cold_tier (a store "
+                            "without one evicting from memory), cold_full (cold at its limit could not evict for "
+                            "them), write_error (the disk failed their writes)")
+_READY_WRITE_BEHIND = ("dirty_pages", "max_dirty_pages", "lag_s", "stranded_pages")
+
 
 def _target(required: list[str], **more) -> dict:
     """A request naming pages by key, or a prefix by tokens."""
@@ -75,7 +100,10 @@ SCHEMAS = {
                                       description="the cold tier is indexed in the background after a start; "
                                                   "the store serves meanwhile (cold pages appear as they are "
                                                   "indexed), so this does not hold readiness back"),
-                   "cold": _ref("ColdState")}),
+                   "cold": _ref("ColdState"),
+                   "write_behind": _obj({k: _WRITE_BEHIND[k] for k in _READY_WRITE_BEHIND},
+                                        description="write-behind to cold now; does not hold readiness back"),
+                   "dropped_by_reason": _DROPPED}),
     "ColdState": _obj({"enabled": {"type": "boolean"},
                        "write_errors": {**_int(), "description": "write-behind batches that failed (their pages "
                                                                  "stayed in memory)"},
@@ -106,6 +134,10 @@ SCHEMAS = {
         "bytes_moved": {"type": "object", "additionalProperties": _int(),
                         "description": "bytes copied between tiers, by direction (e.g. hot_to_warm)"},
         "entries": _int(), "corrupt_pages": _int(), "mismatched_pages": _int(), "cold": _ref("ColdState"),
+        "dropped_pages": {**_int(), "description": "the sum of dropped_by_reason"},
+        "dropped_by_reason": _DROPPED,
+        "write_behind": _obj(_WRITE_BEHIND, description="the write-behind queue to cold and the producers' "
+                                                        "backpressure"),
         "eviction_policy": {"type": "string"}, "write_policy": {"type": "string"},
         "queue_depth": {**_int(), "description": "requests waiting in the engine (0 without an engine)"},
         "running": {**_int(), "description": "requests the engine is running (0 without an engine)"},
@@ -205,11 +237,13 @@ def _post(summary: str, request: str, result: str, *codes: int) -> dict:
 PATHS = {
     "/healthz": _get("liveness: 200 while the process serves", _json("Health"), security=_OPEN),
     "/readyz": {"get": {"summary": "readiness: the store open and the engine warmed up (and how far the cold "
-                                   "tier's background indexing is)", "security": _OPEN,
+                                   "tier's background indexing is, its write health, write-behind and drops)",
+                        "security": _OPEN,
                         "responses": {"200": _json("Ready"), "503": _json("Ready", "not ready")}}},
     "/": _get("the dashboard (HTML; asks for the token and sends it on its data requests)",
               {"description": "OK", "content": {"text/html": {"schema": {"type": "string"}}}}, security=_OPEN),
-    "/v1/stats": _get("per tier: capacity, use, hits, misses, evictions, promotions; bytes moved; queue",
+    "/v1/stats": _get("per tier: capacity, use, hits, misses, evictions, promotions; bytes moved; write-behind "
+                      "and backpressure; drops by reason; queue",
                       _json("Stats"), 401),
     "/v1/pages": _get("cached pages, by key order, filtered and paginated", _json("PageList"), 400, 401, params=[
         _query("tier", {"enum": TIERS}, "only pages in this tier"),

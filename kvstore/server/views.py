@@ -33,6 +33,15 @@ def list_pages(store, tier: str | None, namespace: bytes | None, pinned: bool | 
             "total": len(matching)}
 
 
+def write_health(store) -> dict:
+    """/readyz's view of write-behind (the dirty pages against their bound, the oldest one's age,
+    pages cold refused) and of the pages dropped, by reason: O(dirty pages), not O(entries)."""
+    with store._lock:
+        wb = store.daemon.stats()
+        return {"write_behind": {k: wb[k] for k in ("dirty_pages", "max_dirty_pages", "lag_s", "stranded_pages")},
+                "dropped_by_reason": store.counts.snapshot()["dropped_by_reason"]}
+
+
 def get_page(store, key: bytes) -> dict | None:
     with store._lock:
         e = store.index.get(key)

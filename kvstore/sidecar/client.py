@@ -20,7 +20,9 @@ for each slot, then `kv.release(lease.slots)`; to store, `slots = kv.alloc(n)`, 
 sidecar.lease_s without a request from this client (`ping()` renews them).
 
 Errors: SidecarError when the sidecar refuses a request (its one-line reason), and
-SidecarUnavailable when it cannot be reached or the connection is lost.
+SidecarUnavailable when it cannot be reached or the connection is lost. A put that the sidecar
+could store only in part (its disk behind the puts for longer than daemon.backpressure_timeout_s)
+raises NotStored, naming the pages not stored; `keys` has those that were.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ from typing import Any, Sequence
 import torch
 
 from kvstore.sidecar.client_ops import ClientOps, Lease, Lookup, Op, map_segment, populate_mapping, step
-from kvstore.sidecar.protocol import HEADER, SidecarError, SidecarUnavailable, decode_reply
+from kvstore.sidecar.protocol import HEADER, NotStored, SidecarError, SidecarUnavailable, decode_reply
 from kvstore.spec import KVSpec
 
-__all__ = ["AsyncSidecarClient", "Lease", "Lookup", "SidecarClient", "SidecarError", "SidecarUnavailable",
-           "map_segment", "populate_mapping"]
+__all__ = ["AsyncSidecarClient", "Lease", "Lookup", "NotStored", "SidecarClient", "SidecarError",
+           "SidecarUnavailable", "map_segment", "populate_mapping"]
 
 SOCKET_BUFFER_BYTES = 4 << 20   # the bytes fallback: fewer, larger copies through the socket
 
@@ -117,7 +119,8 @@ class SidecarClient(ClientOps):
 
     def put(self, tokens: Sequence[int], pages: torch.Tensor, start_page: int = 0) -> list[bytes]:
         """Store pages start_page.. of `tokens` (pages: [n, *spec.page_shape]); returns their keys.
-        Page start_page - 1 must be cached already."""
+        Page start_page - 1 must be cached already. Raises NotStored when only the first pages
+        could be stored (the sidecar's write-behind stayed behind past its bound)."""
         return self._drive(self._put(tokens, pages, start_page))
 
     def get(self, tokens: Sequence[int], max_pages: int | None = None, out: torch.Tensor | None = None
@@ -132,9 +135,12 @@ class SidecarClient(ClientOps):
         until release(lease.slots)."""
         return self._drive(self._get_slots(tokens, max_pages, keys, start_page))
 
-    def alloc(self, n: int) -> list[int]:
-        """n warm slots for this client to fill in place (view(slot)), then put_slots() or release()."""
-        return self._drive(self._alloc(n))
+    def alloc(self, n: int, wait_s: float | None = None) -> list[int]:
+        """n warm slots for this client to fill in place (view(slot)), then put_slots() or release().
+        While the sidecar's write-behind is behind, it waits up to wait_s (at most the sidecar's
+        daemon.backpressure_timeout_s, its default) before it refuses (SidecarError); an engine's
+        step that must not stall passes 0."""
+        return self._drive(self._alloc(n, wait_s))
 
     def put_slots(self, tokens: Sequence[int], slots: Sequence[int], start_page: int = 0) -> list[bytes]:
         """Store the pages written into slots from alloc() as pages start_page.. of `tokens`."""
@@ -249,8 +255,8 @@ class AsyncSidecarClient(ClientOps):
                         keys: Sequence[bytes] | None = None, start_page: int = 0) -> Lease:
         return await self._drive(self._get_slots(tokens, max_pages, keys, start_page))
 
-    async def alloc(self, n: int) -> list[int]:
-        return await self._drive(self._alloc(n))
+    async def alloc(self, n: int, wait_s: float | None = None) -> list[int]:
+        return await self._drive(self._alloc(n, wait_s))
 
     async def put_slots(self, tokens: Sequence[int], slots: Sequence[int], start_page: int = 0) -> list[bytes]:
         return await self._drive(self._put_slots(tokens, slots, start_page))

@@ -17,7 +17,7 @@ from typing import Any, Generator, Sequence
 import numpy as np
 import torch
 
-from kvstore.sidecar.protocol import SidecarError, SidecarUnavailable, frame_parts, spec_fields
+from kvstore.sidecar.protocol import NotStored, SidecarError, SidecarUnavailable, frame_parts, spec_fields
 from kvstore.spec import KVSpec
 from kvstore.tiers.base import runs
 
@@ -161,23 +161,29 @@ class ClientOps:
         while done < n:
             first = start_page + done
             if self.use_shm:
-                k = min(n - done, max(1, self.info["slots"] // 2))
-                slots = (yield {"op": "alloc", "n": k})["slots"]
+                want = min(n - done, max(1, self.info["slots"] // 2))
+                got = yield {"op": "alloc", "n": want, "partial": True}
+                slots, short = got["slots"], got.get("short", "")
+                k = len(slots)
                 try:
                     for src, dst, run in runs(list(range(done, done + k)), slots):
                         self._raw[dst:dst + run].copy_(flat[src:src + run])
-                    r = yield {"op": "put", "tokens": tokens[:(first + k) * ps], "slots": slots, "start_page": first}
+                    r = (yield {"op": "put", "tokens": tokens[:(first + k) * ps], "slots": slots, "start_page": first}
+                         ) if k else {"keys": []}
                 except SidecarError as exc:
-                    if not isinstance(exc, SidecarUnavailable):
+                    if not isinstance(exc, SidecarUnavailable) and k:
                         yield {"op": "release", "slots": slots}
                     raise
             else:
-                k = min(n - done, self._frame_pages(len(tokens)))
-                payload = flat[done:done + k].cpu().numpy()
-                r = yield {"op": "put", "tokens": tokens[:(first + k) * ps], "start_page": first,
-                           "pages": [memoryview(payload[i]) for i in range(k)]}
+                want = min(n - done, self._frame_pages(len(tokens)))
+                payload = flat[done:done + want].cpu().numpy()
+                r = yield {"op": "put", "tokens": tokens[:(first + want) * ps], "start_page": first,
+                           "pages": [memoryview(payload[i]) for i in range(want)]}
+                k, short = len(r["keys"]), r.get("not_stored", {}).get("why", "")
             keys += [bytes.fromhex(key) for key in r["keys"]]
             done += k
+            if k < want:   # the sidecar's write-behind is behind: the rest is not stored
+                raise NotStored(keys, start_page + done, n - done, short or "no room in the warm tier")
         return keys
 
     def _get_slots(self, tokens: Sequence[int] | None, max_pages: int | None, keys: Sequence[bytes] | None,
@@ -230,8 +236,8 @@ class ClientOps:
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
         return flat.view(self.spec.torch_dtype).view(len(flat), *self.spec.page_shape)
 
-    def _alloc(self, n: int) -> Op:
-        return (yield {"op": "alloc", "n": n})["slots"]
+    def _alloc(self, n: int, wait_s: float | None) -> Op:
+        return (yield {"op": "alloc", "n": n, **({"wait_s": wait_s} if wait_s is not None else {})})["slots"]
 
     def _put_slots(self, tokens: Sequence[int], slots: Sequence[int], start_page: int) -> Op:
         r = yield {"op": "put", "tokens": token_list(tokens), "slots": [int(s) for s in slots],

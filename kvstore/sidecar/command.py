@@ -125,7 +125,7 @@ async def start_admin_api(sidecar: SidecarServer) -> str:
     """The REST admin API (kvstore.server.admin) on admin.host:admin.port; returns its URL."""
     from kvstore.server.admin import admin_url, create_admin_app, start_admin
 
-    app = create_admin_app(sidecar.store, sidecar.daemon, sidecar.config)
+    app = create_admin_app(sidecar.store, sidecar.config)
     sidecar.admin_runner = await start_admin(app, sidecar.config)
     return admin_url(sidecar.admin_runner)
 

@@ -9,9 +9,13 @@ Keys travel as hex strings.
              checks the geometry and fixes the connection's namespace; every other op needs it first;
              layout (optional) names the client's own byte layout of a page, part of the namespace
     lookup   {tokens}                             -> {pages, tokens, tiers, counts, keys}   no side effects
-    alloc    {n}                                  -> {slots}   warm slots for this client to fill
+    alloc    {n, partial, wait_s}                 -> {slots, short}   warm slots for this client to fill;
+             waits (daemon.backpressure_timeout_s, or wait_s if shorter) while write-behind is
+             behind; then with partial the slots that fit (maybe fewer, `short` says why),
+             without it an error
     put      {tokens, slots, start_page}          -> {keys}    the filled slots become cached pages
-    put      {tokens, pages: [bytes], start_page} -> {keys}    fallback: the bytes come in the frame
+    put      {tokens, pages: [bytes], start_page} -> {keys, not_stored}   fallback: the bytes come in
+             the frame; the pages that fit are stored, not_stored {start_page, pages, why} names the rest
     get      {tokens | keys, max_pages, start_page}  -> {keys, slots, cached}   leased warm slots of pages
              start_page.. of the cached prefix (cached: its length in pages; with keys, len(keys))
     get      {..., bytes: true}                   -> {keys, pages, cached}   fallback: bytes, no lease
@@ -50,6 +54,16 @@ class SidecarError(KVStoreError):
 
 class SidecarUnavailable(SidecarError):
     """The sidecar cannot be reached, or the connection to it was lost."""
+
+
+class NotStored(SidecarError):
+    """A put stored only its first pages: the sidecar had no room for the rest within its bound
+    (write-behind behind the puts). `keys` are those stored, `start_page` and `pages` the rest."""
+
+    def __init__(self, keys: list[bytes], start_page: int, pages: int, why: str):
+        self.keys, self.start_page, self.pages = keys, start_page, pages
+        last = start_page + pages - 1
+        super().__init__(f"put: pages {start_page}..{last} not stored ({len(keys)} stored before them): {why}")
 
 
 def spec_fields(spec: KVSpec) -> dict:

@@ -1,6 +1,6 @@
 """SidecarServer: the sidecar's Unix socket server. It serves the wire protocol (kvstore.sidecar.protocol)
 to clients in other processes (kvstore.sidecar.client), one Session (its leases) per connection, and
-runs the store's methods in the daemon's worker threads.
+runs the store's methods in the store daemon's worker threads (store.daemon.run).
 
 Page bytes do not cross the socket: the warm tier lives in a POSIX shared-memory segment that
 the client maps too ([slots, page_bytes], page-first pages), and requests carry slot numbers.
@@ -10,8 +10,14 @@ an error reply and the connection goes on. A malformed frame (bad length, over
 sidecar.max_frame_bytes, not msgpack, not a map, unknown op, wrong field types) gets an error
 reply, then that connection is closed; the others are served on.
 
+Backpressure: a put's slots come from allocate_warm, which waits (daemon.backpressure_timeout_s)
+while the write-behind queue is at its bound; past it an alloc with `partial` gets the slots that
+fit and the reply's `short` says why, and an inline put stores the pages that fit and names the
+others (`not_stored`). Nothing acknowledged is dropped.
+
 Draining (SIGTERM): stop accepting, finish the requests in flight, close every connection (their
-leases end), stop the daemon; the command (kvstore.sidecar.command) then closes the store.
+leases end); the command (kvstore.sidecar.command) then closes the store, whose daemon writes
+every page not yet in cold before it stops.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 
 from kvstore.config import Config
-from kvstore.daemon import Daemon
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.sidecar.protocol import (SPEC_FIELDS, ProtocolError, decode_request, encode_frame, error_frame, get_count,
@@ -48,7 +53,7 @@ REPLY_TIMEOUT_S = 5.0   # how long a closing connection may take to accept its l
 
 
 class SidecarServer:
-    def __init__(self, config: Config, store: TieredStore, socket_path: Path, workers: int = 4):
+    def __init__(self, config: Config, store: TieredStore, socket_path: Path):
         self.config, self.store, self.socket_path = config, store, socket_path
         self.spec: KVSpec = store.spec
         self.max_frame = config.sidecar.max_frame_bytes
@@ -57,7 +62,7 @@ class SidecarServer:
         slack = min(FRAME_SLACK, self.max_frame // 8)
         self.frame_pages = min((self.max_frame - slack) // (self.spec.page_bytes + 128),
                                max(1, BYTES_FRAME_BYTES // self.spec.page_bytes))
-        self.daemon = Daemon(store, workers=workers)
+        self.daemon = store.daemon
         self.sessions: set[Session] = set()
         self.handlers: set[asyncio.Task] = set()
         self.draining = False
@@ -75,7 +80,6 @@ class SidecarServer:
 
     # lifecycle
     async def start(self) -> None:
-        await self.daemon.start()
         old = os.umask(0o177)  # the socket file is born 0600
         try:
             self.server = await asyncio.start_unix_server(self._serve_client, path=str(self.socket_path),
@@ -92,7 +96,7 @@ class SidecarServer:
             self._drain_task = asyncio.create_task(self.drain(), name="sidecar-drain")
 
     async def drain(self) -> None:
-        """Stop accepting, let requests in flight finish, close every connection, stop the daemon."""
+        """Stop accepting, let requests in flight finish, close every connection."""
         if self.draining:
             return
         self.draining = True
@@ -118,7 +122,6 @@ class SidecarServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
-        await self.daemon.stop()
         self.stopped.set()
 
     def _remove_socket(self) -> None:
@@ -261,45 +264,64 @@ class SidecarServer:
 
     async def alloc(self, s: Session, req: dict) -> dict:
         n = get_count(req, "n", low=1)
+        partial = get_field(req, "partial", bool, False, "true or false")
+        wait_s = get_field(req, "wait_s", (int, float), None, "a number of seconds >= 0")
+        if wait_s is not None and not 0 <= wait_s < float("inf"):
+            raise ProtocolError("alloc: field \"wait_s\" must be a number of seconds >= 0")
         if n > self.store.warm.num_slots:
             raise KVStoreError(f"alloc: {n} pages asked, the warm tier has {self.store.warm.num_slots} slots")
-        slots = await self.daemon.run(self.store.allocate_warm, n)
+        slots, short = await self.daemon.run(self._allocate, n, partial, wait_s)
         s.allocated.update(slots)
-        return {"slots": slots}
+        return {"slots": slots, **({"short": short} if short else {})}
+
+    def _allocate(self, n: int, partial: bool, wait_s: float | None = None) -> tuple[list[int], str]:
+        """Up to n warm slots (all n unless `partial`) and, when fewer, why (a worker thread). It waits
+        for write-behind at most daemon.backpressure_timeout_s, or the client's wait_s if shorter."""
+        bound = self.config.daemon.backpressure_timeout_s
+        slots = self.store.allocate_warm(n, min(bound, wait_s) if wait_s is not None else bound, partial)
+        if len(slots) == n:
+            return slots, ""
+        with self.store._lock:
+            return slots, self.store.warm_shortage(n)
 
     async def put(self, s: Session, req: dict) -> dict:
         tokens = get_tokens(req)
         start = get_count(req, "start_page", 0)
         inline = "pages" in req
+        short = ""
         if inline:
             pages = get_field(req, "pages", list, what="a list of page bytes")
             if not all(isinstance(p, bytes) for p in pages):
                 raise ProtocolError("put: field \"pages\" must be a list of bytes")
             if any(len(p) != self.spec.page_bytes for p in pages):
                 raise KVStoreError(f"put: every page must be {self.spec.page_bytes} bytes ({self.spec.describe()})")
-            slots = await self.daemon.run(self._write_pages, pages)
+            if len(pages) > self.store.warm.num_slots:
+                raise KVStoreError(f"put: {len(pages)} pages sent, the warm tier has {self.store.warm.num_slots} "
+                                   "slots (send fewer a frame)")
+            slots, short = await self.daemon.run(self._write_pages, pages)
             s.allocated.update(slots)  # until committed: freed with the session if the request is cut
         else:
             slots = get_ints(req, "slots", self.store.warm.num_slots, "warm slot numbers")
             s.check_allocated(slots)
         try:
-            keys = await self.daemon.run(self.store.commit_warm, s.namespace, tokens, slots, start)
+            keys = await self.daemon.run(self.store.commit_warm, s.namespace, tokens, slots, start) if slots else []
         except KVStoreError:
             if inline:  # the client never saw these slots
                 s.allocated.difference_update(slots)
                 await self.daemon.run(self.store.release_warm, slots)
             raise
         s.allocated.difference_update(slots)
-        if self.config.write_policy == "write_through":
-            self.daemon.wake()   # copy the pages down now, not at the daemon's next round
-        return {"keys": [k.hex() for k in keys]}
+        reply: dict = {"keys": [k.hex() for k in keys]}
+        if inline and len(slots) < len(pages):
+            reply["not_stored"] = {"start_page": start + len(slots), "pages": len(pages) - len(slots), "why": short}
+        return reply
 
-    def _write_pages(self, pages: list[bytes]) -> list[int]:
-        slots = self.store.allocate_warm(len(pages))
+    def _write_pages(self, pages: list[bytes]) -> tuple[list[int], str]:
+        slots, short = self._allocate(len(pages), partial=True)
         raw = self.store.warm.raw.numpy()  # [slots, page_bytes]; these slots are ours alone
         for slot, page in zip(slots, pages):
             raw[slot] = np.frombuffer(page, dtype=np.uint8)
-        return slots
+        return slots, short
 
     async def get(self, s: Session, req: dict) -> dict | bytes:
         start = get_count(req, "start_page", 0)

@@ -1,6 +1,6 @@
 """`kvstore inspect`: a client of a running store's REST admin API.
 
-    kvstore inspect stats                         per tier: use, pages, hit rate, evictions...
+    kvstore inspect stats                         per tier: use, pages, hit rate, evictions...; write-behind
     kvstore inspect pages --tier hot --limit 20   cached pages (paginated: --cursor, or --all)
     kvstore inspect page KEY                      one page
     kvstore inspect prefixes                      the most reused prefixes
@@ -143,9 +143,20 @@ def show_stats(s: dict) -> str:
     out = table(rows, ["TIER", "USED", "CAPACITY", "USE", "PAGES", "PINNED", "HIT RATE", "HITS", "MISSES",
                        "EVICTIONS", "PROMOTIONS"], right=set(range(1, 11)))
     moved = ", ".join(f"{d} {format_size(n)}" for d, n in s["bytes_moved"].items() if n) or "nothing yet"
+    dropped = ", ".join(f"{reason} {n}" for reason, n in s["dropped_by_reason"].items())
     return (f"{out}\n\n{s['entries']} pages indexed, {format_size(s['page_bytes'])} each ({s['spec']})\n"
             f"policy {s['eviction_policy']}, {s['write_policy']}; queue: {s['queue_depth']} waiting, "
-            f"{s['running']} running; corrupt pages {s['corrupt_pages']}\nbytes moved: {moved}")
+            f"{s['running']} running; corrupt pages {s['corrupt_pages']}\nbytes moved: {moved}\n"
+            f"{show_write_behind(s['write_behind'])}\ndropped pages: {s['dropped_pages']} ({dropped})")
+
+
+def show_write_behind(wb: dict) -> str:
+    if not wb["max_dirty_pages"]:
+        return "write-behind: off (no cold tier)"
+    return (f"write-behind: {wb['dirty_pages']} of {wb['max_dirty_pages']} dirty pages, lag {wb['lag_s']:.1f}s, "
+            f"{wb['written_pages']} written, {wb['stranded_pages']} stranded; "
+            f"producer waits {wb['backpressure_waits']} ({wb['backpressure_wait_s']:.1f}s), "
+            f"refused pages {wb['refused_pages']}")
 
 
 def show_pages(pages: list[dict]) -> str:
@@ -262,7 +273,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the API's JSON answer")
     add_config_options(p)
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    actions.add_parser("stats", help="per tier: use, pages, hit rate, evictions, promotions; bytes moved; queue")
+    actions.add_parser("stats", help="per tier: use, pages, hit rate, evictions, promotions; bytes moved; queue; "
+                                     "write-behind; drops by reason")
     a = actions.add_parser("pages", help="cached pages, in key order")
     a.add_argument("--tier", choices=TIERS)
     a.add_argument("--namespace", metavar="HEX", help="only this namespace digest")

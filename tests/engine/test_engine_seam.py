@@ -106,7 +106,7 @@ async def test_no_cold_tier_call_runs_on_the_engine_thread(served, monkeypatch):
         assert status == 200 and body["choices"][0]["token_ids"] == want
         if doc is docs[0]:
             assert body["usage"]["kvstore"]["cached_tokens"]["cold"] == 80, (store.stats()["corrupt_pages"], store.stats()["tiers"]["cold"], store.cold.last_error, store.cold.missing)
-    store.io.drain()
+    store.daemon.drain()
     threads = {t for _, t in calls}
     assert not [c for c in calls if c[1] == "kvstore-engine"], calls
     assert any(t.startswith("kvstore-read") for t in threads), threads         # the load

@@ -137,7 +137,7 @@ class EngineMachine(RuleBasedStateMachine):
     def consistent(self):
         if self.llm is None:
             return
-        self.llm.store.io.drain()
+        self.llm.store.daemon.drain()
         assert self.problems == []
         assert self.llm.scheduler.check() == []
         assert self.llm.failed_steps == 0

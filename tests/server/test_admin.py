@@ -9,6 +9,8 @@ import logging
 import re
 import ssl
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import aiohttp
@@ -16,12 +18,11 @@ import pytest
 from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate as validate_openapi
 
-from kvstore.daemon import Daemon
 from kvstore.errors import KVStoreError
 from kvstore.keys import page_keys
 from kvstore.server import create_admin_app, set_draining, start_admin
 from kvstore.server.admin import admin_url, check_exposure
-from storeutil import SPEC, fill_and_commit, make_config, make_store, tokens_for
+from storeutil import QUIET, SPEC, fill_and_commit, make_config, make_store, settle, tokens_for
 
 TOKEN = "s3cret-admin-token"
 PS = SPEC.page_size
@@ -94,7 +95,8 @@ def check_response(doc: dict, method: str, path: str, status: int, body) -> None
 
 
 def populate(store) -> dict:
-    """Doc A: 4 pages in hot, reused once (hits); doc B: 2 pages in cold only; doc C: 1 page in warm only."""
+    """Doc A: 4 pages in hot, reused once (hits); doc B: 2 pages in cold only; doc C: 1 page in warm
+    (and cold). Every page is in cold: written behind as it was committed."""
     ns = store.namespace()
     docs = {"A": tokens_for(1, 4), "B": tokens_for(2, 2), "C": tokens_for(3, 1)}
     keys = {}
@@ -103,6 +105,7 @@ def populate(store) -> dict:
         store.release(slots)
     slots, _ = fill_and_commit(store, ns, docs["A"])   # a second request over doc A: 4 hits
     store.release(slots)
+    settle(store)
     store.evict(keys["B"], "cold")
     store.evict(keys["C"], "warm")
     return {"tokens": docs, "keys": keys, "namespace": ns}
@@ -119,10 +122,10 @@ async def running_admin(tmp_path: Path, token: str = "", engine=None, store=None
     config = make_config(tmp_path / "data", **{"admin.port": 0, "admin.token": token, **overrides})
     if own and fill:
         populate(store)
-    daemon = await Daemon(store).start()
+    daemon = store.daemon
     runner = None
     try:
-        app = create_admin_app(store, daemon, config, engine=engine)
+        app = create_admin_app(store, config, engine=engine)
         runner = await start_admin(app, config)
         connector = aiohttp.TCPConnector(ssl=client_ssl) if client_ssl else None
         async with aiohttp.ClientSession(connector=connector) as session:
@@ -133,7 +136,6 @@ async def running_admin(tmp_path: Path, token: str = "", engine=None, store=None
     finally:
         if runner is not None:
             await runner.cleanup()
-        await daemon.stop()
         if own:
             store.close()
 
@@ -171,11 +173,53 @@ async def test_health_and_readiness(admin):
                                        "peers": {"serving": False, "fetching": False,
                                                  "reason": "no cluster: cluster.redis_url is not set"},
                                        "cold": {"enabled": True, "write_errors": 0, "last_error": "", "full": False,
-                                                "evicted_for_room": 0, "disk_bound": False}}
+                                                "evicted_for_room": 0, "disk_bound": False},
+                                       "write_behind": {"dirty_pages": 0, "max_dirty_pages": 4, "lag_s": 0.0,
+                                                        "stranded_pages": 0},
+                                       "dropped_by_reason": {"no_cold_tier": 0, "cold_full": 0, "write_error": 0}}
     set_draining(admin.app)
     status, ready = await admin.get("/readyz")
     assert status == 503 and ready["ready"] is False and ready["checks"]["accepting"] is False
     assert (await admin.get("/healthz"))[0] == 200   # alive while draining
+
+
+async def test_readiness_shows_write_behind_and_drops(tmp_path):
+    """A disk that stalls: dirty pages at their bound and ageing; a store without a cold tier that
+    drops what memory evicts. Neither holds readiness back, and /v1/stats says the same."""
+    store = make_store(tmp_path / "a", warm=8)
+    gate = threading.Event()
+    start_write = store.io.start_write
+    store.io.start_write = lambda entries: (gate.wait(30), start_write(entries))[1]
+    try:
+        store.commit_warm(store.namespace(), tokens_for(1, 4), store.allocate_warm(4))
+        time.sleep(0.05)
+        async with running_admin(tmp_path, store=store) as admin:
+            status, ready = await admin.get("/readyz")
+            _, stats = await admin.get("/v1/stats")
+        wb = ready["write_behind"]
+        assert status == 200 and ready["ready"] and (wb["dirty_pages"], wb["max_dirty_pages"]) == (4, 4)
+        assert 0.05 <= wb["lag_s"] <= stats["write_behind"]["lag_s"] and wb["stranded_pages"] == 0
+        full = stats["write_behind"]
+        assert (full["dirty_pages"], full["max_dirty_pages"], full["stranded_pages"]) == (4, 4, 0)
+        assert full["queued_pages"] + full["writing_pages"] == 4 and full["written_pages"] == 0
+    finally:
+        gate.set()
+        store.close(persist=False)
+
+    store = make_store(tmp_path / "b", hot=4, warm=4, **{**QUIET, "cold.enabled": "false"})
+    try:
+        for doc in range(6):   # 12 pages, room for 8
+            slots, _ = fill_and_commit(store, store.namespace(), tokens_for(doc, 2))
+            store.release(slots)
+        async with running_admin(tmp_path, store=store) as admin:
+            status, ready = await admin.get("/readyz")
+            _, stats = await admin.get("/v1/stats")
+        drops = ready["dropped_by_reason"]
+        assert status == 200 and ready["ready"] and drops == stats["dropped_by_reason"]
+        assert drops["no_cold_tier"] == stats["dropped_pages"] > 0 and drops["cold_full"] == drops["write_error"] == 0
+        assert ready["write_behind"] == {"dirty_pages": 0, "max_dirty_pages": 0, "lag_s": 0.0, "stranded_pages": 0}
+    finally:
+        store.close(persist=False)
 
 
 # stats
@@ -186,11 +230,12 @@ async def test_stats_report_the_store(admin):
     for tier in ("hot", "warm", "cold"):
         for field, value in direct["tiers"][tier].items():
             assert stats["tiers"][tier][field] == value, (tier, field)
-    assert [stats["tiers"][t]["pages"] for t in ("hot", "warm", "cold")] == [4, 1, 2]
+    assert [stats["tiers"][t]["pages"] for t in ("hot", "warm", "cold")] == [4, 1, 7]
     hot = stats["tiers"]["hot"]
     assert hot["hits"] >= 4 and hot["hit_rate"] == pytest.approx(hot["hits"] / (hot["hits"] + hot["misses"]))
     assert stats["entries"] == 7 and stats["bytes_moved"] == direct["bytes_moved"]
-    assert stats["bytes_moved"]["warm_to_cold"] == 2 * SPEC.page_bytes   # doc B, by way of warm
+    assert stats["bytes_moved"]["hot_to_cold"] == 7 * SPEC.page_bytes   # written behind from hot
+    assert stats["bytes_moved"]["warm_to_cold"] == 0
     assert (stats["engine"], stats["queue_depth"], stats["running"]) == (None, 0, 0)
 
 
@@ -205,7 +250,7 @@ async def test_pages_filters(admin):
     status, listing = await admin.get("/v1/pages")
     assert status == 200 and listing["total"] == 7 and len(listing["pages"]) == 7 and listing["next_cursor"] is None
     assert [p["key"] for p in listing["pages"]] == sorted(p["key"] for p in listing["pages"])
-    for tier, n in (("hot", 4), ("warm", 1), ("cold", 2)):
+    for tier, n in (("hot", 4), ("warm", 1), ("cold", 7)):
         _, got = await admin.get(f"/v1/pages?tier={tier}")
         assert got["total"] == n and all(tier in p["tiers"] for p in got["pages"])
     ns = admin.store.namespace().digest.hex()
@@ -332,13 +377,13 @@ async def test_evict_a_prefix_down_and_out(admin):
     status, got = await admin.post("/v1/evict", {"tokens": tokens, "to": "warm"})
     assert status == 200 and got == {"requested": 4, "moved": 4, "to": "warm"}
     _, page = await admin.get(f"/v1/pages/{doc_a[0].hex()}")
-    assert page["tiers"] == ["warm"]
+    assert page["tiers"] == ["warm", "cold"]   # its cold copy was written behind at commit
     _, lookup = await admin.post("/v1/lookup", {"tokens": tokens})
     assert lookup["tiers"] == {"hot": 0, "warm": 4 * PS, "cold": 0}
     _, got = await admin.post("/v1/evict", {"keys": hexes(doc_a[2:]), "to": "cold"})
     assert got["moved"] == 2
     _, stats = await admin.get("/v1/stats")
-    assert [stats["tiers"][t]["pages"] for t in ("hot", "warm", "cold")] == [0, 3, 4]
+    assert [stats["tiers"][t]["pages"] for t in ("hot", "warm", "cold")] == [0, 3, 7]
     _, got = await admin.post("/v1/evict", {"keys": [doc_a[3].hex()], "to": None})
     assert got["moved"] == 1
     assert (await admin.get(f"/v1/pages/{doc_a[3].hex()}"))[0] == 404
@@ -475,14 +520,13 @@ def test_loopback_needs_no_token(tmp_path, host):
 
 async def test_start_refuses_before_binding(tmp_path):
     store = make_store(tmp_path / "data")
-    daemon = Daemon(store)
     try:
         config = make_config(tmp_path / "data", **{"admin.host": "0.0.0.0", "admin.port": 0})
         with pytest.raises(KVStoreError, match="not a loopback address"):
-            await start_admin(create_admin_app(store, daemon, config), config)
+            await start_admin(create_admin_app(store, config), config)
         # with a token it binds every interface; this test only talks to it over loopback
         config = make_config(tmp_path / "data", **{"admin.host": "0.0.0.0", "admin.port": 0, "admin.token": TOKEN})
-        runner = await start_admin(create_admin_app(store, daemon, config), config)
+        runner = await start_admin(create_admin_app(store, config), config)
         try:
             port = runner.addresses[0][1]
             async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/v1/stats") as r:
@@ -490,7 +534,6 @@ async def test_start_refuses_before_binding(tmp_path):
         finally:
             await runner.cleanup()
     finally:
-        await daemon.stop()
         store.close()
 
 
@@ -499,7 +542,7 @@ async def test_port_in_use_is_one_line(tmp_path):
         port = admin.runner.addresses[0][1]
         config = make_config(tmp_path / "data", **{"admin.port": port})
         with pytest.raises(KVStoreError, match=f"cannot listen on 127.0.0.1:{port}"):
-            await start_admin(create_admin_app(admin.store, admin.daemon, config), config)
+            await start_admin(create_admin_app(admin.store, config), config)
 
 
 # TLS
@@ -529,7 +572,7 @@ async def test_tls(tmp_path):
                   {"admin.tls_cert": tmp_path / "missing.crt", "admin.tls_key": key}):
         config = make_config(tmp_path / "data", **{"admin.port": 0, **extra})
         with pytest.raises(KVStoreError, match="tls_"):
-            await start_admin(create_admin_app(None, None, config), config)
+            await start_admin(create_admin_app(None, config), config)
 
 
 # with the engine: text lookups, the queue, readiness, and logs without content

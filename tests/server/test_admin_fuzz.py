@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
 from httputil import KeptAlive
-from kvstore.daemon import Daemon
 from kvstore.server import admin_url, create_admin_app, start_admin
 from kvstore.server.openapi import DOCUMENT
 from storeutil import make_config, make_store
@@ -86,12 +85,11 @@ class ThreadedAdmin:
 
     async def _serve(self) -> None:
         self.stopping = asyncio.Event()
-        async with Daemon(self.store) as daemon:
-            runner = await start_admin(create_admin_app(self.store, daemon, self.config), self.config)
-            self.url = admin_url(runner)
-            self.ready.set()
-            await self.stopping.wait()
-            await runner.cleanup()
+        runner = await start_admin(create_admin_app(self.store, self.config), self.config)
+        self.url = admin_url(runner)
+        self.ready.set()
+        await self.stopping.wait()
+        await runner.cleanup()
 
     def __enter__(self) -> "ThreadedAdmin":
         self.thread.start()

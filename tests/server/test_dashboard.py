@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import struct
+import threading
 import zlib
 from html.parser import HTMLParser
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from kvstore import __version__
 from kvstore.server.admin import STATE
+from storeutil import QUIET, fill_and_commit, make_store, tokens_for
 from test_admin import TOKEN, running_admin
 from test_history import sample_every
 
@@ -103,12 +105,69 @@ async def test_dashboard_shows_the_stats(tmp_path):
     assert int(page.value("entries")) == stats["entries"] == 7
     assert int(page.value("queue-depth")) == stats["queue_depth"]
     assert int(page.value("bytes-moved")) == sum(stats["bytes_moved"].values())
+    check_write_behind(page, stats)
+    assert page.text("wb-max-dirty-pages") == "4" and int(page.value("wb-written-pages")) == 7
+    assert page.by_id["write-behind"][0]["data-level"] == "low"   # nothing dirty
     assert [r["data-key"] for r in page.rows] == [p["key"] for p in prefixes["prefixes"]] != []
     assert int(page.rows[0]["data-hits"]) == prefixes["prefixes"][0]["hits"]
     assert page.by_id["prefixes"][0]["data-count"] == str(len(prefixes["prefixes"]))
     assert {r["data-namespace"] for r in page.rows} == {p["namespace"] for p in prefixes["prefixes"]}
     assert page.by_id["tier-hot"][0]["data-level"] == "low"   # 50%, below the low watermark (75%)
     assert TOKEN not in html   # the token left the address (kept in localStorage only)
+
+
+def check_write_behind(page: Elements, stats: dict) -> None:
+    """The write-behind card and the drops by reason show /v1/stats (read after the page: the lag
+    only grows)."""
+    wb = stats["write_behind"]
+    for field in ("dirty_pages", "max_dirty_pages", "written_pages", "stranded_pages", "backpressure_waits",
+                  "refused_pages"):
+        assert int(page.value("wb-" + field.replace("_", "-"))) == wb[field], field
+    assert float(page.by_id["wb-backpressure-waits"][0]["data-wait-s"]) == pytest.approx(wb["backpressure_wait_s"])
+    assert 0 <= float(page.value("wb-lag")) <= wb["lag_s"] and (float(page.value("wb-lag")) > 0) == (wb["lag_s"] > 0)
+    for reason, n in stats["dropped_by_reason"].items():
+        assert int(page.value("dropped-" + reason.replace("_", "-"))) == n, reason
+    assert int(page.value("dropped-pages")) == stats["dropped_pages"] == sum(stats["dropped_by_reason"].values())
+
+
+async def test_dashboard_shows_write_behind_and_drops(tmp_path):
+    """A disk that stalls: the dirty pages at their bound (the card turns high), ageing, a producer
+    refused; then a store without a cold tier, dropping what memory evicts."""
+    store = make_store(tmp_path / "a", warm=8)
+    gate = threading.Event()
+    start_write = store.io.start_write
+    store.io.start_write = lambda entries: (gate.wait(60), start_write(entries))[1]
+    try:
+        store.commit_warm(store.namespace(), tokens_for(1, 4), store.allocate_warm(4))
+        assert store.allocate_warm(2, partial=True) == []   # waited for room, stored nothing
+        async with running_admin(tmp_path, token=TOKEN, store=store) as admin:
+            page = Elements(await chromium(tmp_path, f"{admin.url}/#token={TOKEN}", "--dump-dom"))
+            _, stats = await admin.get("/v1/stats")
+    finally:
+        gate.set()
+        store.close(persist=False)
+    assert page.by_id["status"][0]["data-state"] == "ok", page.text("status")
+    check_write_behind(page, stats)
+    wb = stats["write_behind"]
+    assert (wb["dirty_pages"], wb["max_dirty_pages"], wb["refused_pages"], wb["backpressure_waits"]) == (4, 4, 2, 1)
+    assert float(page.value("wb-lag")) > 0.2 and page.text("wb-lag").split()[1] in ("ms", "s")
+    assert page.text("wb-backpressure-waits").startswith("1 (")
+    assert page.by_id["write-behind"][0]["data-level"] == "high"
+
+    store = make_store(tmp_path / "b", hot=4, warm=4, **{**QUIET, "cold.enabled": "false"})
+    try:
+        for doc in range(6):   # 12 pages, room for 8
+            slots, _ = fill_and_commit(store, store.namespace(), tokens_for(doc, 2))
+            store.release(slots)
+        async with running_admin(tmp_path, token=TOKEN, store=store) as admin:
+            page = Elements(await chromium(tmp_path, f"{admin.url}/#token={TOKEN}", "--dump-dom"))
+            _, stats = await admin.get("/v1/stats")
+    finally:
+        store.close(persist=False)
+    check_write_behind(page, stats)
+    assert int(page.value("dropped-no-cold-tier")) == stats["dropped_pages"] > 0
+    assert page.text("wb-max-dirty-pages") == "– (no cold tier)" and page.text("wb-lag") == "0 s"
+    assert page.by_id["write-behind"][0]["data-level"] == "low"
 
 
 async def test_dashboard_asks_for_the_token(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.server.history import HISTORY, History, histogram_quantile
 from kvstore.server.metrics import Metrics
-from storeutil import SPEC, fill_and_commit, make_store, tokens_for
+from storeutil import SPEC, fill_and_commit, make_store, settle, tokens_for
 from test_admin import TOKEN, running_admin
 
 
@@ -36,6 +36,7 @@ def test_samples_are_rates_between_readings(tmp_path):
                                 cached_tokens={"hot": 0, "warm": 0, "cold": 32, "peer": 16})
         slots, keys = fill_and_commit(store, store.namespace(), tokens_for(1, 4))
         store.release(slots)
+        settle(store)   # 4 pages down to cold: written behind at commit
         clock.now += 2
         s = history.record(history.read())
         assert s["elapsed_s"] == 2 and s["requests_per_s"] == 1.0
@@ -43,7 +44,7 @@ def test_samples_are_rates_between_readings(tmp_path):
         assert s["hit_rate"] == {"hot": 48 / 160, "warm": 16 / 160, "cold": 32 / 160, "peer": 16 / 160}
         assert s["ttft_p50_s"] == pytest.approx(0.025) and s["ttft_p99_s"] == pytest.approx(0.099)
         assert s["occupancy"]["hot"] == 0.5 and s["occupancy"]["warm"] == 0
-        assert s["bytes_moved_per_s"] == {"up": 0, "down": 0}
+        assert s["bytes_moved_per_s"] == {"up": 0, "down": 4 * SPEC.page_bytes / 2}
         assert (s["queue_depth"], s["running"]) == (0, 0)
 
         store.evict(keys, "warm")   # 4 pages down

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.server.admin import STATE
 from kvstore.server.metrics import Metrics
 from conftest import clean_env
-from storeutil import make_store
+from storeutil import QUIET, fill_and_commit, make_store, settle, tokens_for
 from test_admin import TOKEN, running_admin
 
 FAMILIES = {  # name as the parser reports it -> type
@@ -35,8 +36,22 @@ FAMILIES = {  # name as the parser reports it -> type
     "kvstore_cold_index_done": "gauge", "kvstore_loading_requests": "gauge",
     "kvstore_prompt_tokens": "counter", "kvstore_generation_tokens": "counter",
     "kvstore_prefix_cache_queries": "counter", "kvstore_prefix_cache_hits": "counter",
+    "kvstore_write_behind_dirty_pages": "gauge", "kvstore_write_behind_max_dirty_pages": "gauge",
+    "kvstore_write_behind_lag_seconds": "gauge", "kvstore_write_behind_written_pages": "counter",
+    "kvstore_write_behind_batches": "counter", "kvstore_write_behind_stranded_pages": "gauge",
+    "kvstore_backpressure_waits": "counter", "kvstore_backpressure_wait_seconds": "counter",
+    "kvstore_backpressure_refused_pages": "counter",
 }
 CACHE_TIERS = ("hot", "warm", "cold", "peer")
+DROP_REASONS = ("no_cold_tier", "cold_full", "write_error")
+WRITE_BEHIND = {  # sample -> store.stats()["write_behind"] field
+    "kvstore_write_behind_dirty_pages": "dirty_pages", "kvstore_write_behind_max_dirty_pages": "max_dirty_pages",
+    "kvstore_write_behind_lag_seconds": "lag_s", "kvstore_write_behind_written_pages_total": "written_pages",
+    "kvstore_write_behind_batches_total": "write_batches", "kvstore_write_behind_stranded_pages": "stranded_pages",
+    "kvstore_backpressure_waits_total": "backpressure_waits",
+    "kvstore_backpressure_wait_seconds_total": "backpressure_wait_s",
+    "kvstore_backpressure_refused_pages_total": "refused_pages",
+}
 
 
 def parse(text: str) -> dict[str, dict[tuple, float]]:
@@ -65,6 +80,27 @@ def tier(samples, name: str, t: str) -> float:
     return samples[name][(("tier", t),)]
 
 
+def drops(samples) -> dict[str, float]:
+    return {dict(k)["reason"]: v for k, v in samples["kvstore_dropped_pages_total"].items()}
+
+
+def read_together(store) -> tuple[dict, dict]:
+    """(the samples of /metrics, store.stats()) read under the store's lock, so that they agree."""
+    with store._lock:
+        return parse(Metrics(store).render().decode()), store.stats()
+
+
+def check_write_behind(samples, stats) -> dict:
+    """Every write-behind and backpressure family equals store.stats(), every drop reason is
+    present and they add up to dropped_pages; returns the write-behind stats."""
+    wb = stats["write_behind"]
+    for name, field in WRITE_BEHIND.items():
+        assert samples[name][()] == pytest.approx(wb[field], abs=0.01), name   # lag: read a moment apart
+    assert drops(samples) == stats["dropped_by_reason"] and set(drops(samples)) == set(DROP_REASONS)
+    assert sum(drops(samples).values()) == stats["dropped_pages"]
+    return wb
+
+
 async def test_metrics_match_stats(tmp_path):
     async with running_admin(tmp_path, token=TOKEN) as admin:
         # move things around first, so that every counter has something to show
@@ -88,6 +124,9 @@ async def test_metrics_match_stats(tmp_path):
         assert samples["kvstore_corrupt_pages_total"][()] == stats["corrupt_pages"] == 0
         assert samples["kvstore_mismatched_pages_total"][()] == stats["mismatched_pages"]
         assert samples["kvstore_index_entries"][()] == stats["entries"] == 7
+        assert drops(samples) == dict.fromkeys(DROP_REASONS, 0) == stats["dropped_by_reason"]
+        assert samples["kvstore_write_behind_written_pages_total"][()] == stats["write_behind"]["written_pages"] == 7
+        assert samples["kvstore_write_behind_dirty_pages"][()] == stats["write_behind"]["dirty_pages"] == 0
         assert samples["kvstore_queue_depth"][()] == stats["queue_depth"] == 0
         assert samples["kvstore_running_requests"][()] == stats["running"] == 0
         assert samples["kvstore_requests_total"] == {(("status", "ok"),): 0, (("status", "error"),): 0}
@@ -96,6 +135,78 @@ async def test_metrics_match_stats(tmp_path):
             assert samples[name] == {(): 0}, name
         # every tier's series exists from the start, so sums and ratios over tiers are defined
         assert samples["kvstore_prefix_cache_hits_total"] == {(("tier", t),): 0 for t in CACHE_TIERS}
+
+
+def test_write_behind_and_backpressure_match_stats(tmp_path):
+    """A disk that stalls: dirty pages reach their bound (half the warm tier) and age, a producer
+    waits and stores nothing; once the disk moves, the pages are written."""
+    store = make_store(tmp_path, warm=8, **{"daemon.backpressure_timeout_s": 0.3})
+    gate = threading.Event()
+    start_write = store.io.start_write
+    store.io.start_write = lambda entries: (gate.wait(30), start_write(entries))[1]
+    try:
+        store.commit_warm(store.namespace(), tokens_for(1, 4), store.allocate_warm(4))
+        assert store.allocate_warm(2, partial=True) == []   # waited its bound, then refused both pages
+        time.sleep(0.05)
+        wb = check_write_behind(*read_together(store))
+        assert wb["dirty_pages"] == wb["max_dirty_pages"] == 4 and wb["lag_s"] > 0.3
+        assert (wb["backpressure_waits"], wb["refused_pages"]) == (1, 2) and wb["backpressure_wait_s"] >= 0.3
+        assert wb["written_pages"] == 0
+        gate.set()
+        settle(store)
+        samples, stats = read_together(store)
+        wb = check_write_behind(samples, stats)
+        assert (wb["dirty_pages"], wb["lag_s"], wb["written_pages"]) == (0, 0, 4) and wb["write_batches"] >= 1
+        assert samples["kvstore_write_behind_lag_seconds"][()] == 0
+    finally:
+        gate.set()
+        store.close(persist=False)
+
+
+def fill(store, docs: range, pages: int = 2) -> None:
+    """Commit and release `docs` documents of `pages` pages each, giving the writer a moment each."""
+    for doc in docs:
+        slots, _ = fill_and_commit(store, store.namespace(), tokens_for(doc, pages))
+        store.release(slots)
+        store.daemon.wait_progress(0.2)
+
+
+def test_drops_are_counted_by_reason(tmp_path):
+    # no cold tier: memory's victims leave the store
+    store = make_store(tmp_path / "a", hot=4, warm=4, **{**QUIET, "cold.enabled": "false"})
+    try:
+        fill(store, range(6))   # 12 pages, room for 8
+        samples, stats = read_together(store)
+        wb = check_write_behind(samples, stats)
+        assert drops(samples)["no_cold_tier"] > 0 and drops(samples)["cold_full"] == drops(samples)["write_error"] == 0
+        assert wb["max_dirty_pages"] == wb["dirty_pages"] == wb["written_pages"] == 0
+    finally:
+        store.close(persist=False)
+    # cold at its limit with pinned pages only: it cannot evict for new ones, which strand and drop
+    store = make_store(tmp_path / "b", hot=4, warm=4, cold=2)
+    try:
+        slots, keys = fill_and_commit(store, store.namespace(), tokens_for(0, 2))
+        store.release(slots)
+        settle(store)
+        assert store.pin(keys, 600) == 2
+        fill(store, range(1, 5))
+        samples, stats = read_together(store)
+        wb = check_write_behind(samples, stats)
+        assert wb["stranded_pages"] > 0 and stats["dropped_by_reason"]["cold_full"] > 0
+        assert drops(samples)["no_cold_tier"] == drops(samples)["write_error"] == 0
+    finally:
+        store.close(persist=False)
+    # a disk that fails every write: pages strand after a few tries, then drop
+    store = make_store(tmp_path / "c", hot=4, warm=4)
+    store.mover.write = lambda plan: (_ for _ in ()).throw(OSError("I/O error"))
+    try:
+        fill(store, range(6))
+        samples, stats = read_together(store)
+        check_write_behind(samples, stats)
+        assert stats["dropped_by_reason"]["write_error"] > 0 and stats["write_behind"]["written_pages"] == 0
+        assert drops(samples)["no_cold_tier"] == drops(samples)["cold_full"] == 0
+    finally:
+        store.close(persist=False)
 
 
 async def test_histograms_are_fed_by_calls(tmp_path):
@@ -253,9 +364,9 @@ REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "etc/prometheus/kvstore-rules.yml"
 RULE_TESTS = REPO / "etc/prometheus/kvstore-rules.test.yml"
 DASHBOARD = REPO / "etc/grafana/kvstore.json"
-PROMQL_WORDS = {"sum", "rate", "by", "and", "or", "offset", "histogram_quantile", "le", "job", "instance", "tier",
-                "status", "direction", "without", "on", "ignoring", "bool", "irate", "increase", "avg", "max", "min",
-                "group_left"}
+PROMQL_WORDS = {"sum", "rate", "by", "and", "or", "unless", "offset", "histogram_quantile", "le", "job", "instance",
+                "tier", "status", "direction", "reason", "without", "on", "ignoring", "bool", "irate", "increase",
+                "avg", "max", "min", "group_left"}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -284,7 +395,8 @@ async def test_alert_rules_use_exposed_metrics(tmp_path):
     alerts = {r["alert"]: r for r in rules() if "alert" in r}
     assert set(alerts) == {"KVStoreHotTierHigh", "KVStoreHotTierFull", "KVStoreLatencyRegression", "KVStoreErrorRate",
                            "KVStoreTTFTRegression", "KVStoreHitRateDrop", "KVStoreColdWriteErrors",
-                           "KVStoreCorruptPages"}
+                           "KVStoreCorruptPages", "KVStorePagesDropped", "KVStoreWriteBehindLag",
+                           "KVStoreProducersRefused", "KVStoreStrandedPages"}
     # the deployment guides' thresholds: memory above 85% warns, above 90% for 5 minutes pages,
     # P99 50% above its baseline, errors above 1%
     assert alerts["KVStoreHotTierHigh"]["expr"].endswith("> 0.85") and alerts["KVStoreHotTierHigh"]["for"] == "5m"
@@ -295,6 +407,15 @@ async def test_alert_rules_use_exposed_metrics(tmp_path):
     for name in ("KVStoreLatencyRegression", "KVStoreTTFTRegression"):
         assert "> 1.5 * " in alerts[name]["expr"], name
     assert "offset 1d" in next(r["expr"] for r in rules() if r.get("record", "").endswith("p99_baseline"))
+    # write-behind: drops of any reason (where a cold tier exists), lag over 30 s for 5 minutes,
+    # any refused page, pages stranded for 10 minutes
+    assert "kvstore_dropped_pages_total" in alerts["KVStorePagesDropped"]["expr"]
+    assert "reason=" not in alerts["KVStorePagesDropped"]["expr"]
+    lag = alerts["KVStoreWriteBehindLag"]
+    assert lag["expr"] == "kvstore_write_behind_lag_seconds > 30" and lag["for"] == "5m"
+    refused = alerts["KVStoreProducersRefused"]["expr"]
+    assert refused.endswith("(rate(kvstore_backpressure_refused_pages_total[5m])) > 0")
+    assert alerts["KVStoreStrandedPages"]["expr"] == "kvstore_write_behind_stranded_pages > 0"
     hit_rate = next(r["expr"] for r in rules() if r.get("record") == "kvstore:prefix_cache_hit:ratio_5m")
     assert metric_names(hit_rate) == {"kvstore_prefix_cache_hits_total", "kvstore_prefix_cache_queries_total"}
     # every alert has a promtool unit test
@@ -308,7 +429,8 @@ async def test_grafana_dashboard_uses_exposed_metrics(tmp_path):
     dashboard = json.loads(DASHBOARD.read_text())
     titles = {p["title"] for p in dashboard["panels"]}
     assert {"Tier occupancy", "Hit rate per tier", "Bytes moved between tiers", "Request latency",
-            "Time to first token", "Queue", "Prefix cache hit rate (tokens)", "Tokens per second"} <= titles
+            "Time to first token", "Queue", "Prefix cache hit rate (tokens)", "Tokens per second", "Write-behind",
+            "Dropped and refused pages"} <= titles
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for panel in dashboard["panels"]:
@@ -320,6 +442,11 @@ async def test_grafana_dashboard_uses_exposed_metrics(tmp_path):
     assert {metric_names(t["expr"].replace("$instance", "x")) == {"kvstore_prefix_cache_hits_total",
                                                                  "kvstore_prefix_cache_queries_total"}
             for t in hit_rate["targets"]} == {True}
+    write_behind = next(p for p in dashboard["panels"] if p["title"] == "Write-behind")
+    assert {"kvstore_write_behind_dirty_pages", "kvstore_write_behind_max_dirty_pages",
+            "kvstore_write_behind_lag_seconds"} <= {n for t in write_behind["targets"] for n in metric_names(t["expr"])}
+    dropped = next(p for p in dashboard["panels"] if p["title"] == "Dropped and refused pages")
+    assert any("by (reason)" in t["expr"] and "kvstore_dropped_pages_total" in t["expr"] for t in dropped["targets"])
 
 
 PROMTOOL = shutil.which("promtool")

@@ -12,7 +12,7 @@ from kvstore.errors import ConfigError
 from kvstore.store import TieredStore
 from kvstore.tiers.base import TIER_BACKENDS, SlotPool, SlotTier
 from kvstore.tiers.peer_pages import PeerPages
-from tests.storeutil import SPEC, expected_page, fill_and_commit, hold, make_config, tokens_for
+from tests.storeutil import QUIET, SPEC, expected_page, fill_and_commit, hold, make_config, tokens_for
 
 
 class ArrayTier(SlotTier):
@@ -50,7 +50,7 @@ def test_the_registry_knows_the_built_in_backends_and_refuses_unknown_ones():
 
 @pytest.mark.parametrize("cold", [False, True])
 def test_pages_demote_into_a_middle_tier_and_come_back_exactly(tmp_path, cold):
-    s = spill_store(tmp_path, cold, hot=4, warm=4)
+    s = spill_store(tmp_path, cold, hot=4, warm=4, **QUIET)
     try:
         assert [t.name for t in s.tiers] == ["hot", "warm", "spill", *(["cold"] if cold else [])]
         ns = s.namespace()

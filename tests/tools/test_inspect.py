@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from conftest import REPO, clean_env
 from kvstore.cli import main as kvstore_main
 from kvstore.keys import page_keys
-from storeutil import SPEC, tokens_for
+from storeutil import QUIET, SPEC, fill_and_commit, make_store, tokens_for
 
 sys.path.insert(0, str(REPO / "tests" / "server"))
 from test_admin import TOKEN, running_admin  # noqa: E402
@@ -52,6 +54,9 @@ async def test_stats(admin, capsys):
     hot = next(r for r in table if r[0] == "hot")
     assert hot[1:3] == ["32.00", "KiB"] and hot[5:7] == ["50.0%", "4"]
     assert "7 pages indexed" in out and "queue: 0 waiting, 0 running" in out
+    assert ("write-behind: 0 of 4 dirty pages, lag 0.0s, 7 written, 0 stranded; producer waits 0 (0.0s), "
+            "refused pages 0\n") in out
+    assert out.endswith("dropped pages: 0 (no_cold_tier 0, cold_full 0, write_error 0)\n")
     code, out, _ = await cli(capsys, admin, "--json", "stats")
     got = json.loads(out)
     _, direct = await admin.get("/v1/stats")
@@ -59,12 +64,46 @@ async def test_stats(admin, capsys):
     assert code == 0 and got == direct
 
 
+async def test_stats_write_behind_and_drops(tmp_path, capsys):
+    """A disk that stalls (dirty pages at their bound, a producer refused), then a store without a
+    cold tier dropping what memory evicts."""
+    store = make_store(tmp_path / "a", warm=8)
+    gate = threading.Event()
+    start_write = store.io.start_write
+    store.io.start_write = lambda entries: (gate.wait(30), start_write(entries))[1]
+    try:
+        store.commit_warm(store.namespace(), tokens_for(1, 4), store.allocate_warm(4))
+        assert store.allocate_warm(2, partial=True) == []   # waited 0.2 s, stored nothing
+        async with running_admin(tmp_path, token=TOKEN, store=store) as admin:
+            code, out, _ = await cli(capsys, admin, "stats")
+    finally:
+        gate.set()
+        store.close(persist=False)
+    line = next(x for x in out.splitlines() if x.startswith("write-behind:"))
+    assert code == 0 and re.fullmatch(r"write-behind: 4 of 4 dirty pages, lag \d+\.\ds, 0 written, 0 stranded; "
+                                      r"producer waits 1 \(0\.[2-9]s\), refused pages 2", line), line
+    assert "dropped pages: 0 (no_cold_tier 0, cold_full 0, write_error 0)" in out
+
+    store = make_store(tmp_path / "b", hot=4, warm=4, **{**QUIET, "cold.enabled": "false"})
+    try:
+        for doc in range(6):   # 12 pages, room for 8
+            slots, _ = fill_and_commit(store, store.namespace(), tokens_for(doc, 2))
+            store.release(slots)
+        dropped = store.stats()["dropped_pages"]
+        async with running_admin(tmp_path, token=TOKEN, store=store) as admin:
+            code, out, _ = await cli(capsys, admin, "stats")
+    finally:
+        store.close(persist=False)
+    assert code == 0 and dropped > 0 and "write-behind: off (no cold tier)\n" in out
+    assert f"dropped pages: {dropped} (no_cold_tier {dropped}, cold_full 0, write_error 0)" in out
+
+
 async def test_pages(admin, capsys):
     code, out, _ = await cli(capsys, admin, "pages", "--tier", "hot")
     assert code == 0
     table = rows(out)
     assert table[0] == ["KEY", "TIERS", "DEPTH", "REFS", "PINNED", "HITS", "NAMESPACE"]
-    assert len(table) == 1 + 4 + 1 and all(r[1] == "hot" for r in table[1:5]) and "4 of 4 pages" in out
+    assert len(table) == 1 + 4 + 1 and all(r[1] == "hot,cold" for r in table[1:5]) and "4 of 4 pages" in out
     code, out, _ = await cli(capsys, admin, "pages", "--limit", "2")
     assert "2 of 7 pages; more with --cursor" in out
     cursor = out.split("--cursor ")[1].strip()

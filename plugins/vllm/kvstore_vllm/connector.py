@@ -340,9 +340,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _save(self, save: Transfer) -> None:
         """Copy the blocks into fresh warm slots and commit them as the request's pages (best effort:
-        with no room, or an earlier page of the chain gone, they are a later miss)."""
+        with no room, the sidecar's write-behind behind, or an earlier page of the chain gone, they
+        are a later miss)."""
         def copy_out(client) -> int:
-            slots = client.alloc(len(save.block_ids))
+            slots = client.alloc(len(save.block_ids), wait_s=0)   # the step never waits for the sidecar's disk
             try:
                 blocks_to_slots(self._layers, save.block_ids, client.warm_pages, slots)
                 client.put_slots(save.tokens, slots, save.start_page)
