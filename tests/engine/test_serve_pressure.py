@@ -86,8 +86,8 @@ class Server:
         return "\n".join(line for line in lines if ".access" not in line)[-chars:]
 
 
-def start_serve(tmp: Path) -> Server:
-    sets = [a for k, v in SERVE_SETTINGS.items() for a in ("--set", f"{k}={v}")]
+def start_serve(tmp: Path, settings: dict = SERVE_SETTINGS) -> Server:
+    sets = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
     out, log = tmp / "serve.out", tmp / "serve.log"
     with open(out, "wb") as stdout, open(log, "wb") as stderr:     # files: a full pipe would block the server
         proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--model", "tiny", "--port", "0",
