@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import torch
@@ -86,6 +87,15 @@ def fill_and_commit(store: TieredStore, ns, tokens: list[int], start: int = 0):
         store.hot.write_page(slot, page_content(int.from_bytes(keys[i][:4], "little")))
     h.commit(tokens, len(tokens) // SPEC.page_size)
     return h.slots, keys
+
+
+def stall_writes(store: TieredStore, up_to_s: float = 30.0) -> threading.Event:
+    """A disk that stalls: each write-behind batch waits until the returned event is set (or up_to_s
+    passes) before it goes to the real cold tier. Set the event before closing the store."""
+    gate = threading.Event()
+    start_write = store.io.start_write
+    store.io.start_write = lambda entries: (gate.wait(up_to_s), start_write(entries))[1]
+    return gate
 
 
 def settle(store: TieredStore, timeout: float = 30.0) -> None:

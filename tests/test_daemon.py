@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from kvstore.errors import OutOfCapacity
 from kvstore.keys import page_keys
-from storeutil import SPEC, expected_page, fill_and_commit, make_store, settle, tokens_for
+from storeutil import SPEC, expected_page, fill_and_commit, make_store, settle, stall_writes, tokens_for
 
 PS = SPEC.page_size
 
@@ -142,9 +141,7 @@ def test_a_producer_waits_for_write_behind_then_stores_what_fits(tmp_path):
     waits its bound, then hands out what fits; once the writer runs, room comes back."""
     store = make_store(tmp_path, warm=8, **{"daemon.backpressure_timeout_s": 0.3})
     ns = store.namespace()
-    gate = threading.Event()
-    start_write = store.io.start_write
-    store.io.start_write = lambda entries: (gate.wait(30), start_write(entries))[1]   # a disk that stalls
+    gate = stall_writes(store)   # a disk that stalls
     try:
         assert store.daemon.max_dirty_pages == 4
         slots = store.allocate_warm(4)
@@ -169,9 +166,7 @@ def test_a_producer_waits_for_write_behind_then_stores_what_fits(tmp_path):
 def test_close_writes_every_queued_page(tmp_path):
     store = make_store(tmp_path, warm=16)
     ns = store.namespace()
-    gate = threading.Event()
-    start_write = store.io.start_write
-    store.io.start_write = lambda entries: (gate.wait(0.5), start_write(entries))[1]   # a slow disk
+    stall_writes(store, up_to_s=0.5)   # a slow disk: each batch waits half a second
     for doc in range(3):
         tokens = tokens_for(40 + doc, 2)
         store.commit_warm(ns, tokens, store.allocate_warm(2))
@@ -190,9 +185,7 @@ def test_the_engine_side_counts_dirty_pages_and_never_waits(tmp_path):
     them, and room comes back once they are written."""
     store = make_store(tmp_path, hot=8, warm=4, **{"hot.high_watermark": "1.0"})
     ns = store.namespace()
-    gate = threading.Event()
-    start_write = store.io.start_write
-    store.io.start_write = lambda entries: (gate.wait(30), start_write(entries))[1]
+    gate = stall_writes(store)
     try:
         assert store.daemon.max_dirty_pages == 2 and store.admission_budget() == 8
         slots, _ = fill_and_commit(store, ns, tokens_for(1, 8))

@@ -9,7 +9,6 @@ import logging
 import re
 import ssl
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import page_keys
 from kvstore.server import create_admin_app, set_draining, start_admin
 from kvstore.server.admin import admin_url, check_exposure
-from storeutil import QUIET, SPEC, fill_and_commit, make_config, make_store, settle, tokens_for
+from storeutil import QUIET, SPEC, fill_and_commit, make_config, make_store, settle, stall_writes, tokens_for
 
 TOKEN = "s3cret-admin-token"
 PS = SPEC.page_size
@@ -187,9 +186,7 @@ async def test_readiness_shows_write_behind_and_drops(tmp_path):
     """A disk that stalls: dirty pages at their bound and ageing; a store without a cold tier that
     drops what memory evicts. Neither holds readiness back, and /v1/stats says the same."""
     store = make_store(tmp_path / "a", warm=8)
-    gate = threading.Event()
-    start_write = store.io.start_write
-    store.io.start_write = lambda entries: (gate.wait(30), start_write(entries))[1]
+    gate = stall_writes(store)
     try:
         store.commit_warm(store.namespace(), tokens_for(1, 4), store.allocate_warm(4))
         time.sleep(0.05)

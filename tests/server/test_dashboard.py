@@ -8,7 +8,6 @@ import asyncio
 import os
 import shutil
 import struct
-import threading
 import zlib
 from html.parser import HTMLParser
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 
 from kvstore import __version__
 from kvstore.server.admin import STATE
-from storeutil import QUIET, fill_and_commit, make_store, tokens_for
+from storeutil import QUIET, fill_and_commit, make_store, stall_writes, tokens_for
 from test_admin import TOKEN, running_admin
 from test_history import sample_every
 
@@ -134,9 +133,7 @@ async def test_dashboard_shows_write_behind_and_drops(tmp_path):
     """A disk that stalls: the dirty pages at their bound (the card turns high), ageing, a producer
     refused; then a store without a cold tier, dropping what memory evicts."""
     store = make_store(tmp_path / "a", warm=8)
-    gate = threading.Event()
-    start_write = store.io.start_write
-    store.io.start_write = lambda entries: (gate.wait(60), start_write(entries))[1]
+    gate = stall_writes(store, up_to_s=60)
     try:
         store.commit_warm(store.namespace(), tokens_for(1, 4), store.allocate_warm(4))
         assert store.allocate_warm(2, partial=True) == []   # waited for room, stored nothing

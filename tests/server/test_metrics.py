@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.server.admin import STATE
 from kvstore.server.metrics import Metrics
 from conftest import clean_env
-from storeutil import QUIET, fill_and_commit, make_store, settle, tokens_for
+from storeutil import QUIET, fill_and_commit, make_store, settle, stall_writes, tokens_for
 from test_admin import TOKEN, running_admin
 
 FAMILIES = {  # name as the parser reports it -> type
@@ -141,9 +140,7 @@ def test_write_behind_and_backpressure_match_stats(tmp_path):
     """A disk that stalls: dirty pages reach their bound (half the warm tier) and age, a producer
     waits and stores nothing; once the disk moves, the pages are written."""
     store = make_store(tmp_path, warm=8, **{"daemon.backpressure_timeout_s": 0.3})
-    gate = threading.Event()
-    start_write = store.io.start_write
-    store.io.start_write = lambda entries: (gate.wait(30), start_write(entries))[1]
+    gate = stall_writes(store)
     try:
         store.commit_warm(store.namespace(), tokens_for(1, 4), store.allocate_warm(4))
         assert store.allocate_warm(2, partial=True) == []   # waited its bound, then refused both pages

@@ -8,14 +8,13 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 
 import pytest
 
 from conftest import REPO, clean_env
 from kvstore.cli import main as kvstore_main
 from kvstore.keys import page_keys
-from storeutil import QUIET, SPEC, fill_and_commit, make_store, tokens_for
+from storeutil import QUIET, SPEC, fill_and_commit, make_store, stall_writes, tokens_for
 
 sys.path.insert(0, str(REPO / "tests" / "server"))
 from test_admin import TOKEN, running_admin  # noqa: E402
@@ -68,9 +67,7 @@ async def test_stats_write_behind_and_drops(tmp_path, capsys):
     """A disk that stalls (dirty pages at their bound, a producer refused), then a store without a
     cold tier dropping what memory evicts."""
     store = make_store(tmp_path / "a", warm=8)
-    gate = threading.Event()
-    start_write = store.io.start_write
-    store.io.start_write = lambda entries: (gate.wait(30), start_write(entries))[1]
+    gate = stall_writes(store)
     try:
         store.commit_warm(store.namespace(), tokens_for(1, 4), store.allocate_warm(4))
         assert store.allocate_warm(2, partial=True) == []   # waited 0.2 s, stored nothing
