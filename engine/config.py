@@ -22,8 +22,8 @@ SCHEDULER_POLICIES = ("fcfs", "priority", "preemptive")
 class EngineConfig:
     dtype: str = opt("auto", _str, f"one of {', '.join(ENGINE_DTYPES)} (auto: bfloat16 on GPU, float32 on CPU)",
                      lambda v: v in ENGINE_DTYPES)
-    attention_backend: str = opt("auto", _str, "auto, flashinfer, sdpa or torch",
-                                 lambda v: v in ("auto", "flashinfer", "sdpa", "torch"))
+    attention_backend: str = opt("auto", _str, "auto, flashinfer, native, sdpa or torch",
+                                 lambda v: v in ("auto", "flashinfer", "native", "sdpa", "torch"))
     prepack_weights: str = opt("auto", _str, "auto, true or false (true needs the CPU and float32 or bfloat16)",
                                lambda v: v in ("auto", "true", "false"))
     max_batch_tokens: int = opt(8192, _int, "an integer >= 1", lambda v: v >= 1)

@@ -68,11 +68,14 @@ class LLM:
         self.store = TieredStore(cfg, spec=spec, model_id=self.loaded.model_id)
         self.max_seq_len = min(cfg.max_seq_len, self.loaded.shape.max_position,
                                getattr(self.loaded, "sliding_window", None) or cfg.max_seq_len)
-        self.backend = create_backend(cfg.engine.attention_backend, device)
+        self.backend = create_backend(cfg.engine.attention_backend, device, spec.torch_dtype, self.loaded.shape.head_dim)
         self.runner = ModelRunner(self.loaded.model, self.store.hot, self.store.warm, self.backend,
                                   min(self.tokenizer.vocab_size, self.loaded.shape.vocab_size))
         self.scheduler = Scheduler(self.store, cfg)
         self.scheduler.can_spill = self.backend.supports_spill and self.store.warm.num_slots > 0
+        # a cached prefix in warm is leased there and attended in place (the CPU's native kernel)
+        self.scheduler.warm_in_place = (self.scheduler.can_spill and self.backend.reads_warm_in_place
+                                        and self.store.hot.device.type == "cpu")
         self.inbox: collections.deque[Request] = collections.deque()
         self.aborted: collections.deque[str] = collections.deque()   # request ids, from any thread
         self.fault: Callable[[list[tuple[Request, int]]], None] | None = None   # test hook: raise to fail a step

@@ -24,6 +24,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:   # one fused op, the same arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -122,7 +124,7 @@ class Attention(nn.Module):
         self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj, prepack=prepack)
         self.out = Projection(self.o_proj, prepack=prepack)
 
-    def forward(self, x, cos, sin, kv_cache, write_pages, write_offsets, backend: AttentionBackend, warm_cache=None):
+    def forward(self, x, cos, sin, kv_cache, write_rows, backend: AttentionBackend, warm_cache=None):
         t, nh, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
             qkv = self.qkv(x)
@@ -133,9 +135,10 @@ class Attention(nn.Module):
         qk = (qk * cos + rotate_half(qk) * sin).to(x.dtype)
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
-        # kv_cache: [pages, 2, page_size, kv_heads, head_dim]
-        kv_cache[write_pages, 0, write_offsets] = k.to(kv_cache.dtype)
-        kv_cache[write_pages, 1, write_offsets] = v.to(kv_cache.dtype)
+        # kv_cache: [2, pages, page_size, kv_heads, head_dim]; write_rows: each token's row in its token view
+        rows = kv_cache.view(2, -1, nkv, d)
+        rows[0].index_copy_(0, write_rows, k.to(kv_cache.dtype))
+        rows[1].index_copy_(0, write_rows, v.to(kv_cache.dtype))
         out = backend.run(q.to(kv_cache.dtype), kv_cache, warm_cache).to(x.dtype).reshape(t, -1)
         return self.out(out) if self.out is not None else self.o_proj(out)
 
@@ -210,14 +213,13 @@ class LlamaModel(nn.Module):
                 kv_caches: list[torch.Tensor], backend: AttentionBackend,
                 logit_rows: torch.Tensor | None = None, warm_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         ps = batch.page_size
-        pages = torch.tensor(write_pages(batch), dtype=torch.long, device=input_ids.device)
-        offsets = positions.long() % ps
+        rows = torch.tensor(write_pages(batch), dtype=torch.long, device=input_ids.device) * ps + positions.long() % ps
         backend.plan(batch, kv_caches[0].dtype)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions)
         warm_caches = warm_caches if batch.spilled else [None] * len(kv_caches)
         for layer, cache, warm in zip(self.model.layers, kv_caches, warm_caches):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, pages, offsets, backend, warm)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, rows, backend, warm)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if logit_rows is not None:
             x = x[logit_rows]

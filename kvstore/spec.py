@@ -40,7 +40,7 @@ def is_power_of_two(n: object) -> bool:
 class KVSpec:
     """Page geometry. A page holds K and V of `page_size` tokens for every layer.
 
-    Hot layout (one tensor per layer, FlashInfer NHD): [num_pages, 2, page_size, kv_heads, head_dim].
+    Hot layout (one tensor per layer, FlashInfer NHD, K and V apart): [2, num_pages, page_size, kv_heads, head_dim].
     Warm/cold layout (page-first): one page is [layers, 2, page_size, kv_heads, head_dim], contiguous.
     """
 
@@ -84,8 +84,8 @@ class KVSpec:
         return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
 
     def layer_shape(self, num_pages: int) -> tuple[int, int, int, int, int]:
-        """Hot (NHD) shape of one layer: [num_pages, 2, page_size, kv_heads, head_dim]."""
-        return (num_pages, 2, self.page_size, self.num_kv_heads, self.head_dim)
+        """Hot (NHD, K and V apart) shape of one layer: [2, num_pages, page_size, kv_heads, head_dim]."""
+        return (2, num_pages, self.page_size, self.num_kv_heads, self.head_dim)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

@@ -138,7 +138,7 @@ def _common(p: argparse.ArgumentParser, model: str = "small") -> None:
     p.add_argument("--model", default=model,
                    help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face model directory (default {model})")
     p.add_argument("--dtype", default="float32", help="engine and transformers dtype (default float32)")
-    p.add_argument("--attention-backend", default="auto", help="auto, sdpa, torch or flashinfer (default auto: flashinfer on CUDA, else sdpa)")
+    p.add_argument("--attention-backend", default="auto", help="auto, native, sdpa, torch or flashinfer (default auto: flashinfer on CUDA, else native where it builds, else sdpa)")
     p.add_argument("--skip-hf", action="store_true", help="do not run Hugging Face transformers")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other config key for the engine, e.g. --set engine.decode_concurrency=32")

@@ -69,17 +69,33 @@ class AttentionBatch:
                             device=self.device)
 
 
+def hot_tokens(cache: torch.Tensor, which: int, pages: torch.Tensor) -> torch.Tensor:
+    """K (which=0) or V (1) of these hot pages, gathered: [pages * page_size, kv_heads, head_dim]. One
+    index_select of whole pages (a memcpy each) on the layer's [2, pages, page_size, kv_heads, head_dim]."""
+    return cache[which].index_select(0, pages).flatten(0, 1)
+
+
+def warm_tokens(warm_cache: torch.Tensor, which: int, slots: torch.Tensor) -> torch.Tensor:
+    """The same of warm slots, from the warm tier's page-first layer view [slots, 2, page_size, kv_heads,
+    head_dim]."""
+    return warm_cache.index_select(0, slots).select(1, which).flatten(0, 1)
+
+
 class AttentionBackend(ABC):
     """plan() once per step, then run() once per layer with that layer's paged cache.
 
-    A backend with supports_spill reads spilled pages from the warm tier's layer view too."""
+    A backend with supports_spill reads spilled pages from the warm tier's layer view too; one with
+    reads_warm_in_place reads them there as fast as hot pages, so that a cached prefix in warm is
+    attended where it lies instead of being copied up to hot first."""
 
     supports_spill = False
+    reads_warm_in_place = False
 
     @abstractmethod
     def plan(self, batch: AttentionBatch, dtype: torch.dtype) -> None: ...
 
     @abstractmethod
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, warm_cache: torch.Tensor | None = None) -> torch.Tensor:
-        """q [tokens, qo_heads, head_dim]; kv_cache and warm_cache [pages, 2, page_size, kv_heads, head_dim]
+        """q [tokens, qo_heads, head_dim]; kv_cache the hot layer [2, pages, page_size, kv_heads, head_dim]
+        (K, V), warm_cache the warm tier's layer view [slots, 2, page_size, kv_heads, head_dim]
         -> [tokens, qo_heads, head_dim]."""

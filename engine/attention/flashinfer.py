@@ -1,4 +1,5 @@
-"""FlashInfer backend: paged prefill/append and decode kernels on the hot tier's NHD pages.
+"""FlashInfer backend: paged prefill/append and decode kernels on the hot tier's NHD pages (K and V
+apart: each layer is passed as the pair (K, V) of [pages, page_size, kv_heads, head_dim]).
 
 Imported only when this backend is chosen on CUDA. plan() runs once per step (int32 page
 tables, CSR form); run() once per layer. RoPE is applied by the model before K is written,
@@ -46,4 +47,4 @@ class FlashInferBackend(AttentionBackend):
             self.wrapper = self.prefill
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, warm_cache: torch.Tensor | None = None) -> torch.Tensor:
-        return self.wrapper.run(q.contiguous(), kv_cache)
+        return self.wrapper.run(q.contiguous(), (kv_cache[0], kv_cache[1]))

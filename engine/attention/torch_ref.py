@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionBatch
+from engine.attention.base import AttentionBackend, AttentionBatch, hot_tokens, warm_tokens
 
 
 class TorchBackend(AttentionBackend):
@@ -40,9 +40,9 @@ class TorchBackend(AttentionBackend):
     def _run_decode(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         b = self.batch
         seqs, group = b.num_seqs, b.num_qo_heads // b.num_kv_heads
-        kv = kv_cache[self._pages]                     # [seqs, width, 2, page_size, kv_heads, head_dim]
-        k = kv[:, :, 0].reshape(seqs, -1, b.num_kv_heads, b.head_dim).float()
-        v = kv[:, :, 1].reshape(seqs, -1, b.num_kv_heads, b.head_dim).float()
+        kv = kv_cache[:, self._pages]                  # [2, seqs, width, page_size, kv_heads, head_dim]
+        k = kv[0].reshape(seqs, -1, b.num_kv_heads, b.head_dim).float()
+        v = kv[1].reshape(seqs, -1, b.num_kv_heads, b.head_dim).float()
         qg = q.float().view(seqs, b.num_kv_heads, group, b.head_dim)
         scores = torch.einsum("bhgd,bkhd->bhgk", qg, k) / math.sqrt(b.head_dim)
         scores.masked_fill_(~self._valid[:, None, None, :], float("-inf"))
@@ -56,13 +56,12 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         for i, n in enumerate(b.kv_lens):
             lo, hi = b.qo_indptr[i], b.qo_indptr[i + 1]
-            kv = kv_cache[self._pages[i]]                       # [pages, 2, page_size, kv_heads, head_dim]
+            k, v = hot_tokens(kv_cache, 0, self._pages[i]), hot_tokens(kv_cache, 1, self._pages[i])
             if len(self._warm[i]):                              # the oldest pages, spilled to warm
-                kv = torch.cat([warm_cache[self._warm[i]].to(kv.device), kv])
-            k = kv[:, 0].reshape(-1, b.num_kv_heads, b.head_dim)[:n].float()
-            v = kv[:, 1].reshape(-1, b.num_kv_heads, b.head_dim)[:n].float()
-            k = k.repeat_interleave(group, dim=1).transpose(0, 1)   # [heads, kv_len, head_dim]
-            v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+                k = torch.cat([warm_tokens(warm_cache, 0, self._warm[i]).to(k.device), k])
+                v = torch.cat([warm_tokens(warm_cache, 1, self._warm[i]).to(v.device), v])
+            k = k[:n].float().repeat_interleave(group, dim=1).transpose(0, 1)   # [heads, kv_len, head_dim]
+            v = v[:n].float().repeat_interleave(group, dim=1).transpose(0, 1)
             qi = q[lo:hi].float().transpose(0, 1)                   # [heads, q_len, head_dim]
             scores = (qi @ k.transpose(1, 2)) * scale               # [heads, q_len, kv_len]
             scores.masked_fill_(~self._masks[i], float("-inf"))

@@ -1,8 +1,11 @@
 """The hot tier: the paged KV pool the attention kernels read, on the GPU (CPU when there is none).
 
-Layout: one tensor per layer in FlashInfer's NHD paged layout, all views of one buffer:
-    kv     [layers, pages, 2, page_size, kv_heads, head_dim]
-    layers [pages, 2, page_size, kv_heads, head_dim]  (kv[l])
+Layout: one tensor per layer in FlashInfer's NHD paged layout with K and V apart, all views of
+one buffer:
+    kv     [layers, 2, pages, page_size, kv_heads, head_dim]
+    layers [2, pages, page_size, kv_heads, head_dim]  (kv[l]; K is kv[l][0], V kv[l][1])
+With K and V apart, the keys of consecutive slots are one strided run of tokens, so attention
+reads a run of a sequence's pages where it lies, without gathering it first.
 
 Rules: a SlotTier (tiers/base.py): slots come from a SlotPool; a slot's bytes are whatever was last written. Copies to and
 from the warm tier complete before the call returns (on CUDA they run on a dedicated copy
@@ -40,7 +43,7 @@ class DeviceTier(SlotTier):
         super().__init__(spec)
         self.device = torch.device(device)
         self.num_pages = num_pages
-        # [layers, pages, 2, page_size, kv_heads, head_dim]
+        # [layers, 2, pages, page_size, kv_heads, head_dim]
         self.kv = torch.zeros((spec.num_layers, *spec.layer_shape(num_pages)), dtype=spec.torch_dtype,
                               device=self.device)
         self.layers = list(self.kv.unbind(0))
@@ -73,21 +76,25 @@ class DeviceTier(SlotTier):
     # page-first views of single pages (tests, the engine, the sidecar)
     def read_page(self, slot: int) -> torch.Tensor:
         """A page-first copy of one slot in host memory: [layers, 2, page_size, kv_heads, head_dim]."""
-        return self.kv[:, slot].to("cpu", copy=True)
+        return self.kv[:, :, slot].to("cpu", copy=True)
 
     def write_page(self, slot: int, page: torch.Tensor) -> None:
-        self.kv[:, slot].copy_(page.view(self.spec.page_shape))
+        self.kv[:, :, slot].copy_(page.view(self.spec.page_shape))
+
+    def pages_view(self, start: int, n: int) -> torch.Tensor:
+        """Slots start..start+n-1 seen page-first (a view): [n, layers, 2, page_size, kv_heads, head_dim]."""
+        return self.kv[:, :, start:start + n].permute(2, 0, 1, 3, 4, 5)
 
     def gather(self, slots: list[int]) -> torch.Tensor:
         """Page-first copy of several slots on this device: [n, layers, 2, page_size, kv_heads, head_dim]."""
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        return self.kv.index_select(1, idx).transpose(0, 1).contiguous()
+        return self.kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def scatter(self, slots: list[int], pages: torch.Tensor) -> None:
         """Write page-first pages [n, layers, ...] (any device) into slots."""
         pages = pages.to(self.device, non_blocking=True).view(len(slots), *self.spec.page_shape)
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self.kv.index_copy_(1, idx, pages.transpose(0, 1))
+        self.kv.index_copy_(2, idx, pages.permute(1, 2, 0, 3, 4, 5))
 
     def save_to(self, slots: list[int], warm: HostTier, warm_slots: list[int]) -> None:
         """Copy hot slots into warm slots (page-first)."""
@@ -95,7 +102,7 @@ class DeviceTier(SlotTier):
             return
         if not self.on_cuda:
             for s, d, n in runs(slots, warm_slots):
-                warm.pages[d:d + n].copy_(self.kv[:, s:s + n].transpose(0, 1))
+                warm.pages[d:d + n].copy_(self.pages_view(s, n))
             return
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):
@@ -115,7 +122,7 @@ class DeviceTier(SlotTier):
             return
         if not self.on_cuda:
             for s, d, n in runs(warm_slots, slots):
-                self.kv[:, d:d + n].copy_(warm.pages[s:s + n].transpose(0, 1))
+                self.pages_view(d, n).copy_(warm.pages[s:s + n])
             return
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):

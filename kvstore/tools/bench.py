@@ -129,7 +129,7 @@ class TierBench:
         self.slots = list(range(pages))
         self.hot = DeviceTier(spec, pages, device)
         self.warm = HostTier(spec, pages)
-        self.hot_bytes = self.hot.kv.view(-1).view(torch.uint8)   # [pages * page_bytes], hot (NHD) order
+        self.hot_bytes = self.hot.kv.view(-1).view(torch.uint8)   # [pages * page_bytes], hot (NHD, K and V apart) order
         self.warm_bytes = self.warm.raw.view(-1)                   # [pages * page_bytes], page-first order
         self.warm_view = memoryview(self.warm_bytes.numpy())
 
@@ -162,7 +162,7 @@ class TierBench:
         """Slots whose hot page and warm page differ (compared as bytes: random bits may be NaNs)."""
         bad = []
         for i in self.slots:
-            hot_page = self.hot.kv[:, i].view(torch.uint8)   # [layers, 2, page_size, kv_heads, head_dim * itemsize]
+            hot_page = self.hot.kv[:, :, i].view(torch.uint8)   # [layers, 2, page_size, kv_heads, head_dim * itemsize]
             warm_page = self.warm.pages[i].view(torch.uint8).to(self.device)
             if not torch.equal(hot_page, warm_page):
                 bad.append(i)

@@ -90,7 +90,7 @@ def new_caches(model: LlamaModel, tokens: int) -> list[torch.Tensor]:
     """One zeroed paged cache per layer for a sequence of up to `tokens` tokens."""
     s, p = model.shape, next(model.parameters())
     pages = -(-tokens // PAGE_SIZE)
-    return [torch.zeros(pages, 2, PAGE_SIZE, s.num_kv_heads, s.head_dim, dtype=p.dtype, device=p.device)
+    return [torch.zeros(2, pages, PAGE_SIZE, s.num_kv_heads, s.head_dim, dtype=p.dtype, device=p.device)
             for _ in range(s.num_layers)]
 
 
@@ -98,14 +98,15 @@ def step(model: LlamaModel, caches: list[torch.Tensor], token_ids: list[int], st
          backend: str = "torch") -> torch.Tensor:
     """Run tokens at positions start.. of one sequence (the first `start` already cached) -> fp32
     logits [len(token_ids), vocab], through the named attention backend."""
-    s, device = model.shape, next(model.parameters()).device
+    s, p = model.shape, next(model.parameters())
+    device = p.device
     n = start + len(token_ids)
-    batch = AttentionBatch(qo_indptr=[0, len(token_ids)], page_tables=[list(range(caches[0].shape[0]))],
+    batch = AttentionBatch(qo_indptr=[0, len(token_ids)], page_tables=[list(range(caches[0].shape[1]))],
                            kv_lens=[n], page_size=PAGE_SIZE, num_qo_heads=s.num_heads,
                            num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, device=device)
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     positions = torch.arange(start, n, device=device)
-    return model(ids, positions, batch, caches, create_backend(backend, device))
+    return model(ids, positions, batch, caches, create_backend(backend, device, p.dtype, s.head_dim))
 
 
 def run_prefill(model: LlamaModel, token_ids: list[int], backend: str = "torch") -> torch.Tensor:

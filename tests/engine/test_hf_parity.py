@@ -21,7 +21,7 @@ from engine.model import rope_inv_freq  # noqa: E402
 PROMPT_LEN, NEW_TOKENS = 40, 32
 
 
-PATHS = {"reference": ("torch", False), "fast": ("sdpa", True)}   # attention backend, prepacked weights
+PATHS = {"reference": ("torch", False), "fast": ("sdpa", True), "native": ("native", True)}   # attention backend, prepacked weights
 
 
 @pytest.fixture(scope="module", params=[(a, p) for a in ("llama", "llama3", "mistral", "qwen2") for p in PATHS],

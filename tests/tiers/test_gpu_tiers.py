@@ -35,7 +35,7 @@ def test_round_trip_through_pinned_warm_is_byte_identical(shared):
     hot.load_from(back, warm, dst)
     torch.cuda.synchronize()
     for s, b in zip(src, back):
-        assert torch.equal(hot.kv[:, b], before[:, s])
+        assert torch.equal(hot.kv[:, :, b], before[:, :, s])
     warm.close()
 
 
@@ -45,7 +45,7 @@ def test_copies_wait_for_the_compute_stream():
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
         torch.cuda._sleep(50_000_000)  # keep the stream busy, then write the page
-        hot.kv[:, 2].fill_(3.0)
+        hot.kv[:, :, 2].fill_(3.0)
     with torch.cuda.stream(compute):
         hot.save_to([2], warm, [5])
     assert torch.all(warm.pages[5] == 3.0)

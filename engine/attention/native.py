@@ -1,0 +1,183 @@
+"""The compiled CPU backend (`native`): paged_attention.cpp, reading pages where they lie.
+
+The kernel is built for this machine with the system's C++ compiler (`$CXX`, else c++ or g++;
+-O3 -march=native -fopenmp) into the user's cache (~/.cache/kvstore/kernels, named by a hash of
+the source, the flags, the compiler and the CPU), by `scripts/bootstrap` or on first use, and
+loaded with ctypes: no PyTorch headers, so a build takes about a second. It runs its OpenMP loop
+in the process's one OpenMP runtime (PyTorch's, loaded first), on torch.get_num_threads() threads.
+
+One call a layer: every sequence of the step (decodes and prefill chunks alike) in one parallel
+loop, K and V read in place from the hot pages (and from warm, for spilled pages), no gather, no
+padding, no mask. Float32, head_dim a multiple of 16 up to 128, or 192 or 256; `auto` picks it on the CPU for those and
+falls back to `sdpa` (with a log line) when the kernel cannot be built. It differs from the torch
+reference only in the order of floating-point sums (tests hold it to the reference).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionBatch
+from kvstore.errors import NotBuilt
+
+log = logging.getLogger("kvstore.engine")
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c++17")
+HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 192, 256)
+VERSION = 1   # kv_attention_version() of the source
+
+_lib = None
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(lines))   # the first CPU's lines
+
+
+def library_path(compiler: str) -> Path:
+    """Where the kernel built by this compiler for this CPU lives."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+                                        _cpu().encode()])).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "kvstore" / "kernels" / f"paged_attention-{digest}.so"
+
+
+def build() -> Path:
+    """The kernel's shared library, compiled now unless it already is. NotBuilt when it cannot be."""
+    compiler = _compiler()
+    if compiler is None:
+        raise NotBuilt("the native attention backend needs a C++ compiler (c++, g++ or clang++; or set CXX); "
+                       "use engine.attention_backend: sdpa")
+    path = library_path(compiler)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            raise NotBuilt(f"building the native attention kernel failed ({Path(compiler).name}): {tail[0]}; "
+                           "use engine.attention_backend: sdpa")
+        os.replace(tmp, path)   # atomic: a concurrent build leaves one whole library
+        log.info("built the native attention kernel: %s", path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load():
+    """The loaded kernel (built first when needed); NotBuilt when it cannot be had."""
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL(str(build()))
+        if lib.kv_attention_version() != VERSION:
+            raise NotBuilt(f"the native attention kernel is version {lib.kv_attention_version()}, "
+                           f"this engine expects {VERSION}")
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        lib.kv_paged_attention.argtypes = [p, i64, p, p, p, i64, p, p, i64, i32, p, p, p, p, p,
+                                           i32, i32, i32, i32, f32, i32]
+        lib.kv_paged_attention.restype = i32
+        _lib = lib
+    return _lib
+
+
+def available(dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """Why the native backend cannot run here (None: it can)."""
+    if dtype != torch.float32:
+        return f"the native attention kernel is float32 only (the KV here is {str(dtype).removeprefix('torch.')})"
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        return f"the native attention kernel is built for head_dim {', '.join(map(str, HEAD_DIMS))}, not {head_dim}"
+    try:
+        load()
+    except (NotBuilt, OSError) as exc:
+        return str(exc)
+    return None
+
+
+class NativeBackend(AttentionBackend):
+    supports_spill = True
+    reads_warm_in_place = True   # warm pages are host memory like hot ones here: one pointer a page
+
+    def __init__(self):
+        self.lib = load()
+        self.fn = self.lib.kv_paged_attention
+
+    def plan(self, batch: AttentionBatch, dtype: torch.dtype) -> None:
+        why = available(dtype, batch.head_dim)
+        if why:
+            raise NotBuilt(why + "; use engine.attention_backend: sdpa")
+        ps = batch.page_size
+        pages, indptr, nwarm = [], [0], []
+        for i, n in enumerate(batch.kv_lens):
+            warm = batch.warm_tables[i] if batch.num_warm(i) else []
+            need = -(-n // ps)
+            pages += warm + batch.page_tables[i][:need - len(warm)]
+            indptr.append(len(pages))
+            nwarm.append(len(warm))
+        # int32 arrays the kernel reads, kept alive until the next plan
+        self._arrays = [np.asarray(x, dtype=np.int32) for x in
+                        (batch.qo_indptr, batch.kv_lens, indptr, pages or [0], nwarm)]
+        self.batch = batch
+        self.scale = batch.head_dim ** -0.5
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, warm_cache: torch.Tensor | None = None) -> torch.Tensor:
+        b = self.batch
+        if q.stride(-1) != 1 or q.stride(-2) != b.head_dim or not kv_cache[0].is_contiguous():
+            raise ValueError("the native attention kernel needs q rows of contiguous heads and a contiguous hot layer")
+        out = torch.empty(q.shape, dtype=q.dtype)
+        wk = wv = 0
+        wstride = 0
+        if warm_cache is not None and b.spilled:
+            wk = warm_cache.data_ptr()
+            wv = warm_cache[:, 1].data_ptr()
+            wstride = warm_cache.stride(0)
+        qo, lens, indptr, pages, nwarm = (a.ctypes.data for a in self._arrays)
+        k, v = kv_cache[0], kv_cache[1]
+        rc = self.fn(q.data_ptr(), q.stride(0), out.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+                     wk, wv, wstride, b.num_seqs, qo, lens, indptr, pages, nwarm,
+                     b.num_qo_heads, b.num_kv_heads, b.head_dim, b.page_size, self.scale, torch.get_num_threads())
+        if rc:
+            raise NotBuilt(f"the native attention kernel refused head_dim {b.head_dim}")
+        return out
+
+
+def main() -> int:
+    """`python -m engine.attention.native`: build the kernel (if needed) and say where it is."""
+    try:
+        path = build()
+    except NotBuilt as exc:
+        print(f"native attention kernel: not built: {exc}")
+        return 1
+    print(f"native attention kernel: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

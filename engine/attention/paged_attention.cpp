@@ -1,0 +1,434 @@
+// Paged attention on the CPU, reading K and V where they lie in the hot tier's pages (and in the
+// warm tier's, for pages a long sequence spilled there). Built by engine/attention/native.py with
+// the system's C++ compiler for this machine (-O3 -march=native -fopenmp) and called through ctypes:
+// no PyTorch headers, a build of about a second. Float32 only; GCC/Clang vector extensions, so
+// that the same source vectorizes to AVX-512, AVX2 or NEON.
+//
+// One call runs one layer of one step. Work items are (sequence, KV head, block of query tokens,
+// range of keys); a block's rows are its tokens times the KV head's query heads, so each key is
+// read once for all the heads that share it. Keys are taken in tiles of KT: scores by a register-
+// blocked micro-kernel over the tile transposed, an online softmax (running max and sum a row),
+// then P.V accumulated into the rows. When there are too few items to keep every thread busy, key
+// ranges are split and the splits merged by their log-sum-exp.
+//
+// Causality is bottom-right: query j of a sequence with q_len queries and n keys sees keys
+// 0 .. n - q_len + j.
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+static inline v16 ld(const float *p) { return *(const v16u *)p; }
+static inline void st(float *p, v16 x) { *(v16u *)p = x; }
+static inline v16 bc(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// keep a vector in a register: the compiler would otherwise fold its load into every use
+#if defined(__x86_64__) || defined(__i386__)
+#define IN_REG(x) __asm__("" : "+v"(x))
+#elif defined(__aarch64__)
+#define IN_REG(x) __asm__("" : "+w"(x))
+#else
+#define IN_REG(x) (void)0
+#endif
+
+// exp of each lane (Cephes' single-precision polynomial, about 1 ulp); lanes below -87 give ~1e-38
+static inline v16 vexp(v16 x) {
+    const v16 lo = bc(-87.3f), hi = bc(88.3f);
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
+    v16 fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   // round(x / ln 2)
+    v16 r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+    v16 p = bc(1.9875691500E-4f);
+    p = p * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * r * r + r + 1.0f;
+    v16i n = __builtin_convertvector(fn, v16i);
+    v16i bits = (n + 127) << 23;
+    return p * (v16)bits;
+}
+
+// the largest and the sum of a vector's lanes (a tree of shuffles)
+#if defined(__clang__)
+#define SHUF(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUF(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
+#endif
+static inline float hmax(v16 v) {
+    v = v > SHUF(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) ? v : SHUF(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v = v > SHUF(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) ? v : SHUF(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v = v > SHUF(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) ? v : SHUF(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    return v[0] > v[1] ? v[0] : v[1];
+}
+static inline float hsum(v16 v) {
+    v += SHUF(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += SHUF(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += SHUF(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    return v[0] + v[1];
+}
+
+enum { KT = 64, KV = KT / 16, MAX_ROWS = 96, MIN_SPLIT = 256 };
+
+struct Args {
+    const float *q; int64_t qstride; float *out;   // q: qstride elements between tokens, head_dim between heads
+    const float *kb, *vb; int64_t pstride;     // hot K and V planes, elements between pages
+    const float *wkb, *wvb; int64_t wpstride;  // warm (page-first) K and V of layer 0 of slot 0, elements between slots
+    int nseq; const int32_t *qo, *kvlen, *pindptr, *pages, *nwarm;
+    int nh, kvh, d, ps, group; float scale;
+};
+
+struct Item { int seq, head, q0, q1, k0, k1, split, slot; };
+
+struct Scratch { float *Q, *Qt, *S, *acc, *m, *l, *pos; const float **kp, **vp; };
+
+// a thread's scratch floats, kept between calls (the pool's threads live as long as the process)
+static float *scratch(size_t floats) {
+    static thread_local float *buf = NULL;
+    static thread_local size_t cap = 0;
+    if (floats > cap) {
+        free(buf);
+        size_t bytes = (sizeof(float) * floats + 63) / 64 * 64;
+        buf = (float *)aligned_alloc(64, bytes);
+        cap = floats;
+    }
+    return buf;
+}
+
+static inline const float *row_ptr(const Args &a, int seq, int tok, int head, int which) {
+    int pg = tok / a.ps, off = tok % a.ps;
+    int32_t id = a.pages[a.pindptr[seq] + pg];
+    const float *base = pg < a.nwarm[seq] ? (which ? a.wvb : a.wkb) + (int64_t)id * a.wpstride
+                                          : (which ? a.vb : a.kb) + (int64_t)id * a.pstride;
+    return base + (int64_t)off * a.kvh * a.d + (int64_t)head * a.d;
+}
+
+// online softmax of scores by rows (S[r][t], a decode's few rows): P = exp(S - running max), masked
+// keys 0; what was accumulated is rescaled
+template <int DV>
+static void softmax_rows(Scratch &w, int rows, int first_pos, int g, int t0, int tn) {
+    const int d = DV * 16;
+    const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int r = 0; r < rows; r++) {
+        int pos = first_pos + r / g;
+        int vis = pos - t0 + 1 < tn ? pos - t0 + 1 : tn;
+        float *srow = w.S + r * KT;
+        if (vis <= 0) { memset(srow, 0, sizeof(float) * KT); continue; }
+        v16 sv[KV], vm = bc(-INFINITY), vv = bc((float)vis);
+        for (int j = 0; j < KV; j++) {
+            sv[j] = ld(srow + 16 * j);
+            if (vis < KT) sv[j] = (lane + (float)(16 * j)) < vv ? sv[j] : bc(-INFINITY);
+            vm = sv[j] > vm ? sv[j] : vm;
+        }
+        float mx = hmax(vm);
+        float m_new = mx > w.m[r] ? mx : w.m[r];
+        float corr = expf(w.m[r] - m_new);
+        v16 sum = (v16){};
+        for (int j = 0; j < KV; j++) {
+            v16 p = vexp(sv[j] - m_new);
+            if (vis < KT) p = (lane + (float)(16 * j)) < vv ? p : (v16){};
+            st(srow + 16 * j, p);
+            sum += p;
+        }
+        w.l[r] = w.l[r] * corr + hsum(sum);
+        w.m[r] = m_new;
+        if (corr != 1.0f) {
+            float *acc = w.acc + (int64_t)r * d;
+            for (int j = 0; j < DV; j++) st(acc + 16 * j, ld(acc + 16 * j) * corr);
+        }
+    }
+}
+
+// scores by keys for NG groups of 16 rows at rows0 and keys tb..tb+7: St[t][r] = Q[r] . K[t], the rows in
+// lanes (Qt), each key element broadcast; keys past tn read a zero row
+template <int DV, int NG>
+static void scores_block(Scratch &w, int R16, int rows0, int tb, int tn) {
+    static const float zero[256] = {0};
+    const int d = DV * 16;
+    const float *k[8];
+    for (int i = 0; i < 8; i++) k[i] = tb + i < tn ? w.kp[tb + i] : zero;
+    v16 acc[NG][8];
+    for (int gi = 0; gi < NG; gi++)
+        for (int i = 0; i < 8; i++) acc[gi][i] = (v16){};
+    for (int dd = 0; dd < d; dd++) {
+        v16 q[NG];
+        for (int gi = 0; gi < NG; gi++) {
+            q[gi] = ld(w.Qt + dd * R16 + rows0 + 16 * gi);
+            IN_REG(q[gi]);
+        }
+        for (int i = 0; i < 8; i++) {
+            v16 kb = bc(k[i][dd]);
+            for (int gi = 0; gi < NG; gi++) acc[gi][i] += q[gi] * kb;
+        }
+    }
+    for (int gi = 0; gi < NG; gi++)
+        for (int i = 0; i < 8; i++) st(w.S + (tb + i) * R16 + rows0 + 16 * gi, acc[gi][i]);
+}
+
+template <int DV>
+static void scores_t(Scratch &w, int R16, int tn) {
+    for (int tb = 0; tb < tn; tb += 8) {
+        int r0 = 0;
+        for (; r0 + 32 <= R16; r0 += 32) scores_block<DV, 2>(w, R16, r0, tb, tn);
+        if (r0 < R16) scores_block<DV, 1>(w, R16, r0, tb, tn);
+    }
+}
+
+// online softmax of scores by keys, 16 rows at a time in lanes: masked keys (past a row's position, or
+// past tn) get P = 0; rows whose running max rises have their accumulators rescaled
+template <int DV>
+static void softmax_t(Scratch &w, int R16, int t0, int tn) {
+    const int d = DV * 16;
+    const v16 ninf = bc(-INFINITY);
+    for (int r0 = 0; r0 < R16; r0 += 16) {
+        v16 pos = ld(w.pos + r0), m = ld(w.m + r0), mx = ninf;
+        for (int t = 0; t < tn; t++) {
+            float *sp = w.S + t * R16 + r0;
+            v16 sv = pos >= (float)(t0 + t) ? ld(sp) : ninf;
+            st(sp, sv);
+            mx = sv > mx ? sv : mx;
+        }
+        v16 m_new = mx > m ? mx : m;
+        v16 corr = m_new == ninf ? bc(1.0f) : vexp(m - m_new);
+        v16 sum = (v16){};
+        for (int t = 0; t < tn; t++) {
+            float *sp = w.S + t * R16 + r0;
+            v16 sv = ld(sp);
+            v16 p = sv == ninf ? (v16){} : vexp(sv - m_new);
+            st(sp, p);
+            sum += p;
+        }
+        for (int t = tn; t < KT; t++) st(w.S + t * R16 + r0, (v16){});
+        st(w.l + r0, ld(w.l + r0) * corr + sum);
+        st(w.m + r0, m_new);
+        for (int i = 0; i < 16; i++)
+            if (corr[i] != 1.0f) {
+                float *acc = w.acc + (int64_t)(r0 + i) * d;
+                for (int j = 0; j < DV; j++) st(acc + 16 * j, ld(acc + 16 * j) * corr[i]);
+            }
+    }
+}
+
+template <int DV>
+static void run_item(const Args &a, const Item &it, Scratch &w, float *part) {
+    const int d = DV * 16, g = a.group;
+    const int q_len = a.qo[it.seq + 1] - a.qo[it.seq], n = a.kvlen[it.seq];
+    const int rows = (it.q1 - it.q0) * g, rows4 = (rows + 3) & ~3;
+    // the block's query rows, scaled, zero-padded to a multiple of 4 (16 for the transposed scores)
+    for (int r = 0; r < ((rows + 15) & ~15); r++) {
+        float *dst = w.Q + (int64_t)r * d;
+        if (r >= rows) { memset(dst, 0, sizeof(float) * d); continue; }
+        int tok = a.qo[it.seq] + it.q0 + r / g, head = it.head * g + r % g;
+        const float *src = a.q + (int64_t)tok * a.qstride + (int64_t)head * d;
+        for (int j = 0; j < DV; j++) st(dst + 16 * j, ld(src + 16 * j) * a.scale);
+    }
+    const int R16 = (rows + 15) & ~15;
+    for (int r = 0; r < R16; r++) {
+        w.m[r] = -INFINITY;
+        w.l[r] = 0.0f;
+        w.pos[r] = r < rows ? (float)(n - q_len + it.q0 + r / g) : -1.0f;   // the last key row r sees
+    }
+    if (rows4 > 4)   // Qt[dd][r]: the rows in lanes, for scores by keys
+        for (int dd = 0; dd < d; dd++)
+            for (int r = 0; r < R16; r++) w.Qt[dd * R16 + r] = r < rows ? w.Q[(int64_t)r * d + dd] : 0.0f;
+    memset(w.acc, 0, sizeof(float) * ((rows + 15) & ~15) * d);
+    const int last_pos = n - q_len + it.q1 - 1;            // the block's last query sees keys up to here
+    const int kend = it.k1 < last_pos + 1 ? it.k1 : last_pos + 1;
+    for (int t0 = it.k0; t0 < kend; t0 += KT) {
+        const int tn = kend - t0 < KT ? kend - t0 : KT;
+        for (int t = 0; t < tn; t++) {
+            w.kp[t] = row_ptr(a, it.seq, t0 + t, it.head, 0);
+            w.vp[t] = row_ptr(a, it.seq, t0 + t, it.head, 1);
+        }
+        // the next tile's keys and values start coming from memory while this one is computed
+        for (int t = t0 + KT; t < kend && t < t0 + 2 * KT; t++) {
+            const char *k = (const char *)row_ptr(a, it.seq, t, it.head, 0);
+            const char *v = (const char *)row_ptr(a, it.seq, t, it.head, 1);
+            for (int off = 0; off < d * 4; off += 64) {
+                __builtin_prefetch(k + off, 0, 2);
+                __builtin_prefetch(v + off, 0, 2);
+            }
+        }
+        if (rows4 == 4) {   // a decode (up to 4 rows): dot products, no transpose
+            const float *q0 = w.Q;
+            for (int t = 0; t < tn; t++) {
+                const float *k = w.kp[t];
+                v16 kv[DV];
+                for (int j = 0; j < DV; j++) {
+                    kv[j] = ld(k + 16 * j);
+                    IN_REG(kv[j]);
+                }
+                for (int i = 0; i < 4; i++) {
+                    v16 acc = ld(q0 + i * d) * kv[0];
+                    for (int j = 1; j < DV; j++) acc += ld(q0 + i * d + 16 * j) * kv[j];
+                    w.S[i * KT + t] = hsum(acc);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                for (int t = tn; t < KT; t++) w.S[i * KT + t] = 0.0f;
+            softmax_rows<DV>(w, rows, n - q_len + it.q0, g, t0, tn);
+        } else {
+            scores_t<DV>(w, R16, tn);
+            softmax_t<DV>(w, R16, t0, tn);
+        }
+        // acc[r] += sum_t P[r][t] V[t]; P is S, by rows (decode) or by keys (transposed)
+        const int prs = rows4 == 4 ? KT : 1, pts = rows4 == 4 ? 1 : R16;
+        enum { RB = DV <= 4 ? 4 : DV <= 8 ? 2 : 1 };
+        for (int r0 = 0; r0 < rows4; r0 += RB) {
+            v16 acc[RB][DV];
+            for (int i = 0; i < RB; i++)
+                for (int j = 0; j < DV; j++) acc[i][j] = ld(w.acc + (int64_t)(r0 + i) * d + 16 * j);
+            for (int t = 0; t < tn; t++) {
+                v16 v[DV];
+                const float *vr = w.vp[t];
+                for (int j = 0; j < DV; j++) {
+                    v[j] = ld(vr + 16 * j);
+                    IN_REG(v[j]);
+                }
+                for (int i = 0; i < RB; i++) {
+                    v16 p = bc(w.S[(r0 + i) * prs + t * pts]);
+                    for (int j = 0; j < DV; j++) acc[i][j] += p * v[j];
+                }
+            }
+            for (int i = 0; i < RB; i++)
+                for (int j = 0; j < DV; j++) st(w.acc + (int64_t)(r0 + i) * d + 16 * j, acc[i][j]);
+        }
+    }
+    if (it.slot >= 0) {   // a split: keep acc, m and l for the merge
+        float *p = part + (int64_t)it.slot * MAX_ROWS * (d + 2);
+        for (int r = 0; r < rows; r++) {
+            memcpy(p + (int64_t)r * (d + 2), w.acc + (int64_t)r * d, sizeof(float) * d);
+            p[(int64_t)r * (d + 2) + d] = w.m[r];
+            p[(int64_t)r * (d + 2) + d + 1] = w.l[r];
+        }
+        return;
+    }
+    for (int r = 0; r < rows; r++) {
+        int tok = a.qo[it.seq] + it.q0 + r / g, head = it.head * g + r % g;
+        float *dst = a.out + ((int64_t)tok * a.nh + head) * d;
+        float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
+        const float *acc = w.acc + (int64_t)r * d;
+        for (int j = 0; j < DV; j++) st(dst + 16 * j, ld(acc + 16 * j) * inv);
+    }
+}
+
+// the splits of one (sequence, head, query block): items first .. first+count-1
+static void merge_splits(const Args &a, const Item *items, int first, int count, const float *part) {
+    const Item &it = items[first];
+    const int d = a.d, g = a.group, rows = (it.q1 - it.q0) * g;
+    for (int r = 0; r < rows; r++) {
+        float M = -INFINITY;
+        for (int s = 0; s < count; s++) {
+            float m = part[(int64_t)items[first + s].slot * MAX_ROWS * (d + 2) + (int64_t)r * (d + 2) + d];
+            M = m > M ? m : M;
+        }
+        int tok = a.qo[it.seq] + it.q0 + r / g, head = it.head * g + r % g;
+        float *dst = a.out + ((int64_t)tok * a.nh + head) * d;
+        for (int x = 0; x < d; x++) dst[x] = 0.0f;
+        float L = 0.0f;
+        for (int s = 0; s < count; s++) {
+            const float *p = part + (int64_t)items[first + s].slot * MAX_ROWS * (d + 2) + (int64_t)r * (d + 2);
+            if (p[d + 1] == 0.0f) continue;
+            float wgt = expf(p[d] - M);
+            L += p[d + 1] * wgt;
+            for (int x = 0; x < d; x++) dst[x] += p[x] * wgt;
+        }
+        float inv = L > 0.0f ? 1.0f / L : 0.0f;
+        for (int x = 0; x < d; x++) dst[x] *= inv;
+    }
+}
+
+extern "C" {
+
+int kv_attention_version(void) { return 1; }
+
+// q: [tokens, nh, d] with qstride elements between tokens; out: [tokens, nh, d] contiguous; hot K/V planes: page p's token t of head h at kb + p*pstride + (t*kvh + h)*d;
+// warm likewise from wkb/wvb with wpstride. Sequence i: queries qo[i]..qo[i+1]-1, kvlen[i] keys on pages
+// pages[pindptr[i]..], the first nwarm[i] of them warm slots. Runs on `threads` threads. Returns 0, or -1 for
+// a head_dim not built here (multiples of 16 up to 128, 192 and 256).
+int kv_paged_attention(const float *q, int64_t qstride, float *out, const float *kb, const float *vb, int64_t pstride,
+                       const float *wkb, const float *wvb, int64_t wpstride, int nseq, const int32_t *qo,
+                       const int32_t *kvlen, const int32_t *pindptr, const int32_t *pages, const int32_t *nwarm,
+                       int nh, int kvh, int d, int ps, float scale, int threads) {
+    if (d % 16 || d < 16 || (d > 128 && d != 192 && d != 256)) return -1;
+    if (threads < 1) threads = 1;
+    Args a = {q, qstride, out, kb, vb, pstride, wkb, wvb, wpstride, nseq, qo, kvlen, pindptr, pages, nwarm,
+              nh, kvh, d, ps, nh / kvh, scale};
+    const int g = a.group, qb = MAX_ROWS / g > 0 ? MAX_ROWS / g : 1;
+    // blocks without splits, then split key ranges while there are too few items for the threads
+    int blocks = 0;
+    for (int i = 0; i < nseq; i++) blocks += (qo[i + 1] - qo[i] + qb - 1) / qb * kvh;
+    int target = 8 * threads, nsplit_max = blocks >= target ? 1 : (target + blocks - 1) / blocks;
+    int cap = blocks * nsplit_max + 1;
+    Item *items = (Item *)malloc(sizeof(Item) * cap);
+    int *groups = (int *)malloc(sizeof(int) * (blocks + 1));
+    int ni = 0, ng = 0, slots = 0;
+    for (int i = 0; i < nseq; i++) {
+        int q_len = qo[i + 1] - qo[i], n = kvlen[i];
+        for (int h = 0; h < kvh; h++)
+            for (int b0 = 0; b0 < q_len; b0 += qb) {
+                int b1 = b0 + qb < q_len ? b0 + qb : q_len;
+                int keys = n - q_len + b1;
+                int ns = nsplit_max;
+                if (ns > 1) {
+                    int by_len = keys / MIN_SPLIT;
+                    ns = ns < by_len ? ns : by_len;
+                    if (ns < 1) ns = 1;
+                }
+                groups[ng++] = ni;
+                int step = (keys + ns - 1) / ns;
+                step = (step + KT - 1) / KT * KT;
+                for (int s = 0; s < ns; s++) {
+                    int k0 = s * step, k1 = k0 + step < keys ? k0 + step : keys;
+                    if (k0 >= keys) break;
+                    items[ni++] = (Item){i, h, b0, b1, k0, k1, s, ns > 1 ? slots++ : -1};
+                }
+            }
+    }
+    groups[ng] = ni;
+    float *part = slots ? (float *)malloc(sizeof(float) * (size_t)slots * MAX_ROWS * (d + 2)) : NULL;
+#pragma omp parallel num_threads(threads)
+    {
+        Scratch w;
+        const int rows4 = MAX_ROWS + 4;
+        float *buf = scratch((size_t)(rows4 * d + d * rows4 + rows4 * KT + rows4 * d + 3 * rows4));
+        w.Q = buf; w.Qt = w.Q + rows4 * d; w.S = w.Qt + d * rows4; w.acc = w.S + rows4 * KT;
+        w.m = w.acc + rows4 * d; w.l = w.m + rows4; w.pos = w.l + rows4;
+        const float *ptrs[2 * KT];
+        w.kp = ptrs; w.vp = ptrs + KT;
+#pragma omp for schedule(dynamic, 1)
+        for (int x = 0; x < ni; x++) {
+            switch (d / 16) {
+            case 1: run_item<1>(a, items[x], w, part); break;
+            case 2: run_item<2>(a, items[x], w, part); break;
+            case 3: run_item<3>(a, items[x], w, part); break;
+            case 4: run_item<4>(a, items[x], w, part); break;
+            case 5: run_item<5>(a, items[x], w, part); break;
+            case 6: run_item<6>(a, items[x], w, part); break;
+            case 7: run_item<7>(a, items[x], w, part); break;
+            case 8: run_item<8>(a, items[x], w, part); break;
+            case 12: run_item<12>(a, items[x], w, part); break;
+            default: run_item<16>(a, items[x], w, part); break;
+            }
+        }
+        if (slots) {
+#pragma omp for schedule(dynamic, 1)
+            for (int x = 0; x < ng; x++)
+                if (groups[x + 1] - groups[x] > 1 || items[groups[x]].slot >= 0)
+                    merge_splits(a, items, groups[x], groups[x + 1] - groups[x], part);
+        }
+    }
+    free(part);
+    free(groups);
+    free(items);
+    return 0;
+}
+
+}  // extern "C"
