@@ -48,6 +48,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.stalled: list[Request] = []   # running requests that cannot get another page
         self.can_spill = False             # set by the engine when its attention backend reads warm pages
+        self.warm_in_place = False         # ... and reads them as fast as hot ones: warm prefixes stay in warm
         self.preemptions = 0
         self.spilled_pages = 0
         self.step_no = 0
@@ -268,7 +269,7 @@ class Scheduler:
         load's warm pages (they stay cached), then leases its oldest pages in warm (spill), and
         failing that holds nothing and recomputes its prefix: alone, it always starts."""
         try:
-            req.handle.attach(m)
+            req.handle.attach(m, spill_room=self._warm_room(m))
             return True
         except OutOfCapacity as exc:
             if self.running or exc.pending:
@@ -283,6 +284,18 @@ class Scheduler:
                 pass
         req.handle.attach(Match(m.namespace, m.page_size))
         return True
+
+    def _warm_room(self, m) -> int | None:
+        """With warm_in_place: attach's spill_room that leaves the match's leading pages in warm (leased
+        and attended there, not copied to hot), while the running requests' leases stay within half
+        of warm; None (everything to hot) otherwise."""
+        if not self.warm_in_place:
+            return None
+        lead = next((i for i, t in enumerate(m.tiers) if t != "warm"), len(m.tiers))
+        leased = sum(len(r.handle.spilled) for r in self.running)
+        if not lead or leased + lead > self.store.warm.num_slots // 2:
+            return None
+        return len(m.keys) - lead
 
     # checks (debug mode and tests)
     def check(self) -> list[str]:

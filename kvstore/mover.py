@@ -153,6 +153,30 @@ class PageMover:
     def ensure_hot(self, e: PageEntry) -> bool:
         return self.ensure(e, self.top)
 
+    def promote_chain(self, chain: list[PageEntry]) -> set[bytes]:
+        """Copy those of a chain's pages that are in warm but not in hot up to hot in one batched copy
+        (one copy a run of slots, not one a page), counted as ensure_hot counts each; returns their keys.
+        Best effort: when hot cannot make room for all of them at once nothing moves, and the caller's
+        ensure_hot takes them one by one."""
+        need = [e for e in chain if self.top not in e.where and self.stage in e.where]
+        if len(need) < 2:
+            return set()
+        for e in need:
+            e.leases += 1   # their warm copies must survive making room in hot
+        try:
+            room = self.make_room(self.top, len(need), {e.key for e in chain})
+        finally:
+            for e in need:
+                e.leases -= 1
+                self.index.changed(e)
+        if not room:
+            return set()
+        self.copy(need, self.stage, self.top, self.tiers[self.top].alloc(len(need)))
+        self.count("miss", self.top, len(need))
+        self.count("hit", self.stage, len(need))
+        self.count("promote", self.top, len(need))
+        return {e.key for e in need}
+
     def ensure_warm_copy(self, e: PageEntry) -> bool:
         return self.ensure(e, self.stage)
 

@@ -352,10 +352,17 @@ class TieredStore(WarmSharing, TierMaintenance):
         """
         slots: list[int] = []
         with self._lock:
+            chain = []
+            for key in keys:
+                e = self.index.get(key)
+                if e is None or not (self.mover.top in e.where or self.mover.stage in e.where):
+                    break
+                chain.append(e)
             try:
+                copied = self.mover.promote_chain(chain)   # warm pages up in one batched copy
                 for key in keys:
                     e = self.index.get(key)
-                    if e is None or not self.mover.ensure_hot(e):
+                    if e is None or (e.key not in copied and not self.mover.ensure_hot(e)):
                         break
                     e.refcount += 1
                     e.hits += 1

@@ -333,3 +333,28 @@ def test_rebalance_brings_cold_below_its_low_watermark(tmp_path):
         assert s.audit()["problems"] == []
     finally:
         s.close()
+
+
+def test_a_prefix_in_warm_comes_up_to_hot_in_one_batched_copy(store, monkeypatch):
+    """acquire of a chain whose pages are in warm: one DeviceTier.load_from for all of them (runs of
+    slots, not a copy a page), the bytes identical, counted as that many warm hits and promotions."""
+    ns = store.namespace()
+    tokens = tokens_for(5, 6)
+    slots, keys = fill_and_commit(store, ns, tokens)
+    store.release(slots)
+    settle(store)
+    store.evict(keys, to="warm")
+    assert store.match(tokens, ns).tiers == ["warm"] * 6
+    calls = []
+    load_from = store.hot.load_from
+    monkeypatch.setattr(store.hot, "load_from", lambda *a: (calls.append(len(a[0])), load_from(*a))[1])
+    before = store.stats()
+    got = store.acquire(keys)
+    after = store.stats()
+    assert calls == [6]
+    assert len(got) == 6 and held_pages_match(store, got, keys)
+    assert got == list(range(got[0], got[0] + 6))   # one run of hot slots: attention reads it in place
+    assert after["tiers"]["warm"]["hits"] - before["tiers"]["warm"]["hits"] == 6
+    assert after["tiers"]["hot"]["promotions"] - before["tiers"]["hot"]["promotions"] == 6
+    store.release(got)
+    assert store.audit()["problems"] == []

@@ -44,10 +44,11 @@ from app.bench.contenders import EngineSide, Sample, TransformersSide, VLLMSide,
 from kvstore.errors import KVStoreError
 
 TESTS = ("prefill", "decode", "cached_prefix")
-# (test, the other contender, the engine's speedup over it at least)
-GOALS = (("prefill", "transformers", 1.0), ("prefill", "vllm", 0.8),
-         ("decode", "transformers", 1.5), ("decode", "vllm", 0.6),
-         ("cached_prefix", "vllm", 1.0))
+# (test, the speedup's key, at least): the engine against transformers, and issue 20's goals against vLLM
+# (the cached prefix from warm and, `engine_hot`, from hot)
+GOALS = (("prefill", "engine_speedup_vs_transformers", 1.0), ("prefill", "engine_speedup_vs_vllm", 0.8),
+         ("decode", "engine_speedup_vs_transformers", 1.5), ("decode", "engine_speedup_vs_vllm", 1.0),
+         ("cached_prefix", "engine_speedup_vs_vllm", 0.9), ("cached_prefix", "engine_hot_speedup_vs_vllm", 1.0))
 CHECK_TOKENS = 8          # leading tokens of every sequence the engine must share with transformers (float32)
 VLLM_VERSION = "0.32.0"   # scripts/bootstrap_vllm's
 REAL_MODEL = "SmolLM2-135M-Instruct"   # scripts/real_model's
@@ -226,7 +227,7 @@ def summarize(results: dict[str, dict[str, list[Sample]]], args: argparse.Namesp
            "cached_prefix": _test_report(results["cached_prefix"],
                                          {"doc_tokens": args.doc_tokens, "question_tokens": args.question_tokens,
                                           "new_tokens": 1, "engine_tier": "warm"})}
-    out["goals"] = [_goal(out, test, other, at_least) for test, other, at_least in GOALS]
+    out["goals"] = [_goal(out, test, key, at_least) for test, key, at_least in GOALS]
     met = [g["met"] for g in out["goals"]]
     out["meets_goals"] = False if False in met else (None if None in met else True)
     out["tokens_checked"] = CHECK_TOKENS
@@ -287,9 +288,8 @@ def _tokens_agree(results: dict[str, dict[str, list[Sample]]]) -> bool:
     return True
 
 
-def _goal(report: dict, test: str, other: str, at_least: float) -> dict:
-    key = f"engine_speedup_vs_{other}"
-    value = report[test][key]
+def _goal(report: dict, test: str, key: str, at_least: float) -> dict:
+    value = report[test].get(key)
     return {"test": test, "key": key, "at_least": at_least, "value": value,
             "met": None if value is None else value >= at_least}
 

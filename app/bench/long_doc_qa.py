@@ -117,6 +117,8 @@ def run_long_doc_qa(args: argparse.Namespace) -> dict:
                 store.evict(doc_keys, to=mode)
             if mode == "warm":
                 store.promote(doc_keys, to="warm")   # pages with a cold copy left hot for cold only
+            if mode == "hot":
+                store.promote(doc_keys, to="hot")    # a warm or cold run may have left them in warm (attended there)
             m = store.match(prompt[:-1], ns)
             if m.tiers != [mode] * doc_pages:
                 raise KVStoreError(f"before the {mode} run of document {d} question {q}, the cached prefix is "

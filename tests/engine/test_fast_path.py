@@ -66,12 +66,13 @@ def test_prepack_true_where_it_cannot_is_refused(tmp_path):
         LLM("tiny", prepack_weights="yes", data_dir=str(tmp_path), hot__device="cpu")
 
 
-def test_fast_engine_gives_the_reference_engines_tokens(tmp_path):
+@pytest.mark.parametrize("backend", ["sdpa", "native"])
+def test_fast_engine_gives_the_reference_engines_tokens(tmp_path, backend):
     """Batched prompts with a shared prefix (a cache hit on the second round), chunked prefill and
     decode: every greedy token of the fast path equals the reference path's."""
     common = dict(dtype="float32", hot__device="cpu", engine__prefill_chunk_tokens=24, page_size=16)
     ref = LLM("small", attention_backend="torch", prepack_weights="false", data_dir=str(tmp_path / "ref"), **common)
-    fast = LLM("small", attention_backend="sdpa", data_dir=str(tmp_path / "fast"), **common)
+    fast = LLM("small", attention_backend=backend, data_dir=str(tmp_path / "fast"), **common)
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(10, 8000, (70,), generator=g).tolist()
     prompts = [shared + torch.randint(10, 8000, (n,), generator=g).tolist() for n in (3, 17, 40)]
@@ -82,5 +83,35 @@ def test_fast_engine_gives_the_reference_engines_tokens(tmp_path):
         b = fast.generate(prompts, params)
         assert [o.token_ids for o in a] == [o.token_ids for o in b], f"round {round_}"
     assert sum(b[0].cached_tokens.values()) > 0
+    for llm in (ref, fast):
+        llm.close()
+
+
+def test_a_prefix_in_warm_is_attended_where_it_lies(tmp_path):
+    """native on the CPU: a cached prefix in warm is leased there and read in place (nothing copied to
+    hot, no hot slot held for it), and the answer is the one the reference engine gives."""
+    from kvstore.keys import page_keys
+    common = dict(dtype="float32", hot__device="cpu", page_size=16)
+    ref = LLM("small", attention_backend="torch", prepack_weights="false", data_dir=str(tmp_path / "ref"), **common)
+    fast = LLM("small", attention_backend="native", data_dir=str(tmp_path / "fast"), **common)
+    g = torch.Generator().manual_seed(2)
+    doc = torch.randint(10, 8000, (160,), generator=g).tolist()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    fast.generate([doc], SamplingParams(max_tokens=1))
+    keys = page_keys(fast.store.namespace(""), doc, 16)[:10]
+    fast.store.evict(keys, to="warm")
+    fast.store.promote(keys, to="warm")
+    assert fast.store.match(doc, fast.store.namespace("")).tiers == ["warm"] * 10
+    moved = fast.store.stats()["bytes_moved"]["warm_to_hot"]
+    question = doc + torch.randint(10, 8000, (20,), generator=g).tolist()
+    req = fast.make_request(question, params)
+    fast.submit(req)
+    fast.step()                                        # admitted: the prefix leased in warm
+    assert len(req.handle.spilled) == 10 and req.cached_tokens["warm"] == 160
+    while fast.has_work():
+        fast.step()
+    assert req.output().token_ids == ref.generate([question], params)[0].token_ids
+    assert fast.store.stats()["bytes_moved"]["warm_to_hot"] == moved
+    assert fast.store.audit()["problems"] == []
     for llm in (ref, fast):
         llm.close()
