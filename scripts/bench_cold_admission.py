@@ -23,9 +23,9 @@ ITL: for each stream, the time between consecutive chunks inside the window, spl
 the tokens a chunk carries. Reported: p50, p99, mean and max ITL of each kind, the ratio
 p99 with arrivals / p99 baseline (goal <= 1.5), and what the arrivals found in cache.
 
-The arrivals ask for one token: on the CPU the torch attention backend pads a decode batch to
-its longest context, so an 8K-token request that went on decoding would slow every stream
-whatever tier its prefix came from. Each arrival still costs one step that computes its
+The arrivals ask for one token: an 8K-token request that went on decoding would add its 8K-token
+attention to every step of every stream whatever tier its prefix came from (and the torch backend
+pads a decode batch to its longest context). Each arrival still costs one step that computes its
 question over its 8K-token prefix; `--prefix-tier hot` measures that floor.
 
 Model: `tiny-16k` (the default) is the tiny preset's shape (2 layers, 2 KV heads of 16, fp32 KV:

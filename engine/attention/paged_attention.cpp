@@ -6,10 +6,12 @@
 //
 // One call runs one layer of one step. Work items are (sequence, KV head, block of query tokens,
 // range of keys); a block's rows are its tokens times the KV head's query heads, so each key is
-// read once for all the heads that share it. Keys are taken in tiles of KT: scores by a register-
-// blocked micro-kernel over the tile transposed, an online softmax (running max and sum a row),
-// then P.V accumulated into the rows. When there are too few items to keep every thread busy, key
-// ranges are split and the splits merged by their log-sum-exp.
+// read once for all the heads that share it. Keys are taken in tiles of KT (the next tile
+// prefetched): scores by a register-blocked micro-kernel with the rows in vector lanes (each key
+// element broadcast; a decode's few rows take dot products instead), an online softmax (running
+// max and sum a row, vectorized across rows), then P.V accumulated into the rows. When there are
+// too few items to keep every thread busy, key ranges are split and the splits merged by their
+// log-sum-exp.
 //
 // Causality is bottom-right: query j of a sequence with q_len queries and n keys sees keys
 // 0 .. n - q_len + j.
@@ -256,7 +258,7 @@ static void run_item(const Args &a, const Item &it, Scratch &w, float *part) {
                 __builtin_prefetch(v + off, 0, 2);
             }
         }
-        if (rows4 == 4) {   // a decode (up to 4 rows): dot products, no transpose
+        if (rows4 == 4) {   // a decode (up to 4 rows): dot products
             const float *q0 = w.Q;
             for (int t = 0; t < tn; t++) {
                 const float *k = w.kp[t];

@@ -97,3 +97,20 @@ def test_decode_report(tmp_path):
 def test_bad_option_exits_2(tmp_path):
     r = bench("decode", "--batch", "0", "--skip-hf", tmp_path=tmp_path)
     assert r.returncode == 2 and "--batch" in r.stderr and r.stdout == ""
+
+
+def test_attention_benchmark_report(tmp_path):
+    """scripts/bench_attention.py: every shape, every backend's time and its difference from the reference."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_attention.py"), "--repeat", "1", "--layers", "1"],
+                       capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=240)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["benchmark"] == "attention" and report["layers"] == 1 and report["repeat"] == 1
+    assert set(report["shapes"]) == {"hit", "chunk", "prefill", "decode"}
+    for name, row in report["shapes"].items():
+        for backend in ("native", "sdpa") + (() if name == "prefill" else ("torch",)):
+            assert positive(row[backend]["ms"]) and row[backend]["max_abs_diff"] < 1e-4, (name, backend)
+        assert positive(row["native"]["x_vs_sdpa"])
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_attention.py"), "--repeat", "0"],
+                         capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=60)
+    assert bad.returncode == 2 and "--repeat must be an integer >= 1" in bad.stderr
