@@ -131,13 +131,7 @@ class PageMover:
         if src not in e.where:
             return False
         if tier == self.top:
-            e.leases += 1   # its warm copy must survive making room in hot
-            try:
-                room = self.make_room(tier, 1)
-            finally:
-                e.leases -= 1
-                self.index.changed(e)
-            if not room:
+            if not self.room_in_hot([e]):
                 dirty = self.dirty_evictable(tier)
                 raise OutOfCapacity(f"out of KV capacity: cannot promote a page, all {self.tiers[tier].num_slots} "
                                     f"hot pages are referenced, pinned, allocated or waiting for write-behind "
@@ -153,23 +147,24 @@ class PageMover:
     def ensure_hot(self, e: PageEntry) -> bool:
         return self.ensure(e, self.top)
 
+    def room_in_hot(self, coming: list[PageEntry], exclude: set | None = None) -> bool:
+        """make_room in hot for the pages coming up from warm, whose warm copies must survive it."""
+        for e in coming:
+            e.leases += 1
+        try:
+            return self.make_room(self.top, len(coming), exclude)
+        finally:
+            for e in coming:
+                e.leases -= 1
+                self.index.changed(e)
+
     def promote_chain(self, chain: list[PageEntry]) -> set[bytes]:
         """Copy those of a chain's pages that are in warm but not in hot up to hot in one batched copy
         (one copy a run of slots, not one a page), counted as ensure_hot counts each; returns their keys.
         Best effort: when hot cannot make room for all of them at once nothing moves, and the caller's
         ensure_hot takes them one by one."""
         need = [e for e in chain if self.top not in e.where and self.stage in e.where]
-        if len(need) < 2:
-            return set()
-        for e in need:
-            e.leases += 1   # their warm copies must survive making room in hot
-        try:
-            room = self.make_room(self.top, len(need), {e.key for e in chain})
-        finally:
-            for e in need:
-                e.leases -= 1
-                self.index.changed(e)
-        if not room:
+        if len(need) < 2 or not self.room_in_hot(need, {e.key for e in chain}):
             return set()
         self.copy(need, self.stage, self.top, self.tiers[self.top].alloc(len(need)))
         self.count("miss", self.top, len(need))

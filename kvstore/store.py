@@ -360,9 +360,8 @@ class TieredStore(WarmSharing, TierMaintenance):
                 chain.append(e)
             try:
                 copied = self.mover.promote_chain(chain)   # warm pages up in one batched copy
-                for key in keys:
-                    e = self.index.get(key)
-                    if e is None or (e.key not in copied and not self.mover.ensure_hot(e)):
+                for e in chain:
+                    if e.key not in copied and not self.mover.ensure_hot(e):
                         break
                     e.refcount += 1
                     e.hits += 1

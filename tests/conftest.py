@@ -37,6 +37,26 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+def requires(available: bool, reason: str) -> None:
+    """unavailable(reason) unless the part is available: for a test's first line."""
+    if not available:
+        unavailable(reason)
+
+
+def import_or_unavailable(module: str):
+    """The imported module, or unavailable (skipped in a subset, a failure in the full run)."""
+    try:
+        return __import__(module)
+    except ImportError as exc:
+        unavailable(f"{module} cannot be imported ({exc}); pip install -e '.[dev]' installs it")
+
+
+@pytest.fixture
+def requires_part(request):
+    """A module's `needs = (available, reason)` applied to each of its tests (see requires)."""
+    requires(*request.module.needs)
+
+
 def terminate(proc: subprocess.Popen, grace_s: float = 30) -> None:
     """SIGTERM a child process and wait for it; SIGKILL it after grace_s."""
     if proc.poll() is None:

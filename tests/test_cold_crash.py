@@ -30,7 +30,8 @@ WRITER = Path(writer.__file__).resolve()
 KILLS = 12
 MIN_ACKED = 3          # pages a run must acknowledge before it may be killed
 
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+needs = (hasattr(signal, "SIGKILL"), "needs SIGKILL")
+pytestmark = pytest.mark.usefixtures("requires_part")
 
 
 def run_and_kill(store: Path, start: int, delay: float) -> list[tuple[int, str]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, unavailable
+from conftest import REPO, clean_env, import_or_unavailable, unavailable
 
 SCRIPT = REPO / "scripts" / "bench_engine"
 TINY_SIZES = ("--rounds", "3", "--prefill-tokens", "40", "--batch", "3", "--prompt-tokens", "10",
@@ -53,7 +53,7 @@ def hf_model_dir(path: Path) -> Path:
 
 
 def test_compare_report(tmp_path):
-    pytest.importorskip("transformers")
+    import_or_unavailable("transformers")
     r = compare("--model", "tiny", *TINY_SIZES, tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""                        # not a TTY: no progress lines
@@ -121,7 +121,7 @@ def test_table_output(tmp_path):
 
 
 def test_vllm_venv_absent_is_a_note(tmp_path):
-    pytest.importorskip("transformers")
+    import_or_unavailable("transformers")
     model = hf_model_dir(tmp_path / "model")
     work = tmp_path / "work"
     work.mkdir()
@@ -154,7 +154,7 @@ def test_vllm_worker(tmp_path):
     venv = Path(default_vllm_venv())
     if not (venv / "bin" / "python").exists():
         unavailable(f"no vLLM venv at {venv} (scripts/bootstrap_vllm)")
-    transformers = pytest.importorskip("transformers")
+    transformers = import_or_unavailable("transformers")
     import torch
 
     model = hf_model_dir(tmp_path / "model")

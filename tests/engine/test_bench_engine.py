@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, import_or_unavailable
 
 SCRIPT = REPO / "scripts" / "bench_engine"
 
@@ -26,7 +26,7 @@ def positive(x) -> bool:
 
 
 def test_long_doc_qa_report(tmp_path):
-    pytest.importorskip("transformers")
+    import_or_unavailable("transformers")
     r = bench("long-doc-qa", "--doc-tokens", "64", "--questions", "3", "--question-tokens", "8",
               "--max-tokens", "4", "--recompute-questions", "2", "--hf-questions", "1", tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -72,7 +72,7 @@ def test_long_doc_qa_skip_hf(tmp_path):
 
 
 def test_decode_report(tmp_path):
-    pytest.importorskip("transformers")
+    import_or_unavailable("transformers")
     r = bench("decode", "--batch", "3", "--prompt-tokens", "10", "--new-tokens", "12", "--repeat", "2",
               "--profile", "5", tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr

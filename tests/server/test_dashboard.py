@@ -21,7 +21,8 @@ from test_admin import TOKEN, running_admin
 from test_history import sample_every
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (scripts/bootstrap installs it)")
+needs = (CHROMIUM is not None, "Chromium is not installed (scripts/bootstrap installs it)")
+pytestmark = pytest.mark.usefixtures("requires_part")
 
 
 async def chromium(tmp_path: Path, url: str, *args: str) -> str:

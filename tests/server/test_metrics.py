@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.server.admin import STATE
 from kvstore.server.metrics import Metrics
-from conftest import clean_env
+from conftest import clean_env, requires
 from storeutil import QUIET, fill_and_commit, make_store, settle, stall_writes, tokens_for
 from test_admin import TOKEN, running_admin
 
@@ -449,8 +449,8 @@ async def test_grafana_dashboard_uses_exposed_metrics(tmp_path):
 PROMTOOL = shutil.which("promtool")
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (Debian package prometheus)")
 def test_promtool_checks_and_unit_tests_the_rules(tmp_path):
+    requires(PROMTOOL is not None, "promtool is not installed (Debian package prometheus; scripts/bootstrap installs it)")
     check = subprocess.run([PROMTOOL, "check", "rules", str(RULES)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     # as an operator runs them, from the repository

@@ -22,6 +22,7 @@ from kvstore.record import RecordHeader
 from kvstore.spec import KVSpec
 from kvstore.tiers.buffers import _sync_file_range, early_writeback
 from kvstore.tiers.disk import META_DB, PAGES_DB, DiskTier, read_totals
+from conftest import requires
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = KVSpec(2, 2, 16, "float32", 16)  # 8 KiB pages
@@ -499,8 +500,8 @@ def test_parallel_reads_while_writes_grow_the_map(tmp_path):
         assert all(torch.equal(o, p) for o, p in zip(outs, first.payloads))
 
 
-@pytest.mark.skipif(_sync_file_range() is None, reason="needs sync_file_range (Linux)")
 def test_early_writeback_stops_with_its_block(tmp_path):
+    requires(_sync_file_range() is not None, "needs sync_file_range (Linux)")
     path = tmp_path / "f"
     path.write_bytes(b"x")
     with early_writeback(str(path), interval=0.001):
