@@ -107,7 +107,7 @@ async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> Non
     """Serve until SIGINT/SIGTERM; on_ready(api_url, admin_url) once warmed up."""
     from engine import LLM, AsyncLLM
     from engine.api import api_runner, create_app, warm_up
-    from kvstore.cluster.node import CLUSTER, ClusterNode
+    from kvstore.cluster.node import CLUSTER, ClusterNode, make_prefetch
     from kvstore.server.admin import admin_url, create_admin_app, set_draining, start_admin
     from kvstore.server.metrics import Metrics
     from kvstore.store import INDEX_WAIT_S
@@ -141,8 +141,8 @@ async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> Non
             node = ClusterNode(config, store, admin_url(runners[0]), lambda: llm.runner.tokens_per_s)
             admin[CLUSTER] = node
             metrics.collector.cluster = node
-            engine.prefetch = node.prefetch
             await node.start()
+        engine.prefetch = make_prefetch(store, node)
         await engine.start()
         api = create_app(engine, config.server, metrics)
         runner = api_runner(api)

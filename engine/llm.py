@@ -271,11 +271,12 @@ class AsyncLLM:
 
     Hooks: `on_finish(output)` is called (in the engine thread) for every finished request, before
     its final output reaches its caller;
-    `prefetch(tokens, namespace) -> (local_pages, fetched_pages)` is awaited before a request
-    is queued (fetching its prefix from a peer instance)."""
+    `prefetch(tokens, namespace) -> (local_pages, {source: pages})` is awaited before a request
+    is queued (fetching the pages beyond its cached prefix from the remote tier, then a peer
+    instance: kvstore.cluster.node.make_prefetch)."""
 
     def __init__(self, llm: LLM, on_finish: Callable[[RequestOutput], None] | None = None,
-                 prefetch: Callable[..., Awaitable[tuple[int, int]]] | None = None):
+                 prefetch: Callable[..., Awaitable[tuple[int, dict[str, int]]]] | None = None):
         self.llm = llm
         self.on_finish, self.prefetch = on_finish, prefetch
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -325,8 +326,10 @@ class AsyncLLM:
             raise RuntimeError("the engine stopped after an internal error") from self.error
         req = self.llm.make_request(prompt, params, tenant, request_id, priority)
         if self.prefetch is not None:
-            local, fetched = await self.prefetch(req.tokens, req.namespace)
-            req.peer_pages = range(local, local + fetched)
+            start, fetched = await self.prefetch(req.tokens, req.namespace)
+            for source, n in fetched.items():
+                req.fetched_pages[source] = range(start, start + n)
+                start += n
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.id] = (asyncio.get_running_loop(), q)
         try:

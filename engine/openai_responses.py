@@ -9,6 +9,7 @@ import itertools
 from dataclasses import dataclass
 
 from engine.request import RequestOutput
+from kvstore.index import CACHE_TIERS
 from engine.sampler import SamplingParams
 
 
@@ -67,7 +68,7 @@ def usage(outs: list[RequestOutput], n: int) -> dict:
     firsts = outs[::n]          # one per prompt
     prompt = sum(len(o.prompt_token_ids) for o in firsts)
     completion = sum(len(o.token_ids) for o in outs)
-    by_tier = {t: sum(o.cached_tokens.get(t, 0) for o in firsts) for t in ("hot", "warm", "cold", "peer")}
+    by_tier = {t: sum(o.cached_tokens.get(t, 0) for o in firsts) for t in CACHE_TIERS}
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(by_tier.values())},
             # extension: where the cached prompt tokens came from, and how many were computed

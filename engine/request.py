@@ -11,6 +11,7 @@ import torch
 from engine.sampler import SamplingParams
 from kvstore.errors import KVStoreError
 from kvstore.handle import CacheHandle
+from kvstore.index import CACHE_TIERS
 from kvstore.keys import Namespace
 
 
@@ -62,8 +63,8 @@ class Request:
     tokens: list[int] = field(default_factory=list)   # prompt + generated
     handle: CacheHandle | None = None      # its pages in the store, from its first admission on
     num_computed: int = 0                  # tokens whose K/V are in its pages
-    cached_tokens: dict[str, int] = field(default_factory=lambda: {"hot": 0, "warm": 0, "cold": 0, "peer": 0})
-    peer_pages: range = range(0)           # pages fetched from a peer instance for this request
+    cached_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_TIERS, 0))
+    fetched_pages: dict[str, range] = field(default_factory=dict)   # source (remote, peer) -> pages it brought
     prefill_tokens: int = 0                # prompt tokens computed (not served from the cache)
     admitted: bool = False
     first_token_at: float | None = None

@@ -253,7 +253,8 @@ class Scheduler:
         req.num_computed = h.num_tokens
         if not req.admitted:
             for i, tier in enumerate(h.served[:h.num_pages]):
-                req.cached_tokens["peer" if i in req.peer_pages else tier] += self.page_size
+                source = next((s for s, pages in req.fetched_pages.items() if i in pages), tier)
+                req.cached_tokens[source] += self.page_size
             req.admitted = True
         n = self._chunk(req, budget)
         if not self._grow(req, n, admitting=True):

@@ -224,12 +224,33 @@ class ClusterConfig:
     flush_interval_s: float = opt(0.05, _float, "seconds > 0", lambda v: v > 0)
 
 
+REMOTE_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "mooncake://")
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    url: str = opt("", _str, "empty (no remote tier), redis://HOST:PORT[/DB], rediss://... (TLS), "
+                   "redis+cluster://HOST:PORT[,HOST:PORT...] or mooncake://MASTER_HOST:PORT?metadata=URL",
+                   lambda v: v == "" or v.startswith(REMOTE_SCHEMES) or "://" in v)
+    password_env: str = opt("KVSTORE_REMOTE_PASSWORD", _str, "the name of an environment variable holding the "
+                            "remote store's password (used when remote.url has none)")
+    timeout_ms: int = opt(500, _int, "milliseconds >= 1: the longest a call to the remote store waits",
+                          lambda v: v >= 1)
+    max_bytes: int = opt("32GiB", parse_size, "a byte size (0: no budget of kvstore's; the store's own eviction, "
+                         "such as Redis maxmemory, bounds it)")
+    write: bool = opt(True, _bool, "true (pages written to cold go to the remote store too) or false (read only)")
+    key_prefix: str = opt("kvstore:", _str, "a non-empty string prefixing every key in the remote store",
+                          lambda v: v != "")
+    queue_pages: int = opt(4096, _int, "an integer >= 1: pages waiting to be written to the remote store, at most "
+                           "(beyond it the oldest are skipped: cold still holds them)", lambda v: v >= 1)
+
+
 @dataclass(frozen=True)
 class Config:
     """The store's config tree. An application extends it with sections of its own (a subclass
     adding fields, e.g. engine.config.Config): one file, one precedence for all of them."""
 
-    SECRET_KEYS: ClassVar[tuple[str, ...]] = ("admin.token", "cluster.token", "cluster.redis_url")
+    SECRET_KEYS: ClassVar[tuple[str, ...]] = ("admin.token", "cluster.token", "cluster.redis_url", "remote.url")
     # where an extension's sections are listed (config output, --keys): after this section
     EXTENSIONS_AFTER: ClassVar[str] = "daemon"
 
@@ -253,6 +274,7 @@ class Config:
     admin: AdminConfig = field(default_factory=AdminConfig)
     sidecar: SidecarConfig = field(default_factory=SidecarConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
 
     # derived
     @property
@@ -281,9 +303,9 @@ class Config:
                 section, key = path.split(".")
                 value = out[section][key]
                 if isinstance(value, dict):
-                    out[section][key] = {_redact(k): t for k, t in value.items()}
+                    out[section][key] = {redact_secret(k): t for k, t in value.items()}
                 elif value:
-                    out[section][key] = _redact(value)
+                    out[section][key] = redact_secret(value)
         return out
 
     @property
@@ -295,9 +317,9 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-def _redact(value: str) -> str:
+def redact_secret(value: str) -> str:
     """Hide a secret; for a URL only its password."""
-    m = re.match(r"^([a-z]+://)([^@/]*)@(.*)$", value)
+    m = re.match(r"^([a-z][a-z0-9+.-]*://)([^@/]*)@(.*)$", value)
     if m:
         user = m.group(2).split(":", 1)[0]
         return f"{m.group(1)}{user}:<redacted>@{m.group(3)}"
@@ -386,6 +408,9 @@ def _check_relations(cfg: Config) -> None:
     if cfg.cluster.ttl_s <= cfg.cluster.heartbeat_s:
         raise ConfigError("cluster.ttl_s", cfg.cluster.ttl_s,
                           f"must be more than cluster.heartbeat_s ({cfg.cluster.heartbeat_s})")
+    if cfg.remote.url and cfg.remote.write and not cfg.cold.enabled:
+        raise ConfigError("remote.write", True, "needs cold.enabled true (pages reach the remote store from the "
+                                               "cold tier); set remote.write false for a read-only remote tier")
     if cfg.cold.map_size_max and cfg.cold.map_size_max < cfg.cold.max_bytes:
         raise ConfigError("cold.map_size_max", cfg.cold.map_size_max,
                           f"must be at least cold.max_bytes ({cfg.cold.max_bytes})")

@@ -33,6 +33,8 @@ from typing import Callable, Iterator
 from kvstore.policy import POLICIES, VictimQueue
 
 TIERS = ("hot", "warm", "cold")   # the built-in tiers, fastest first
+SOURCES = ("remote", "peer")      # where else a request's cached pages may come from: the remote tier, a peer
+CACHE_TIERS = (*TIERS, *SOURCES)  # every place a request's cached prompt tokens are counted from
 
 
 @dataclass(slots=True, eq=False)

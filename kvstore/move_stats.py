@@ -16,7 +16,7 @@ Drops are also logged, with backoff (LogBackoff: the first at once, then at most
 growing interval with the count since), naming the reasons.
 
 `snapshot()` gives what store.stats() reports: counters per tier, bytes moved per direction
-(every pair of tiers, nearest first, then each source into the second tier: peer_to_warm),
+(every pair of tiers, nearest first, then each source into the second tier: remote_to_warm, peer_to_warm),
 corrupt, dropped and mismatched pages. The caller holds the store's lock.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+from kvstore.index import SOURCES
 from kvstore.logbackoff import LogBackoff
 
 log = logging.getLogger("kvstore.store")
@@ -34,8 +35,8 @@ DROP_REASONS = ("no_cold_tier", "cold_full", "write_error")
 _PER_TIER = {"hit": "hits", "miss": "misses", "evict": "evictions", "promote": "promotions"}
 
 
-def directions(tiers: Sequence[str], sources: Sequence[str] = ("peer",)) -> tuple[str, ...]:
-    """hot_to_warm, warm_to_hot, warm_to_cold, cold_to_warm, hot_to_cold, cold_to_hot, peer_to_warm
+def directions(tiers: Sequence[str], sources: Sequence[str] = SOURCES) -> tuple[str, ...]:
+    """hot_to_warm, warm_to_hot, warm_to_cold, cold_to_warm, hot_to_cold, cold_to_hot, remote_to_warm, peer_to_warm
     for the built-in tiers: pairs one apart first, down then up, then those further apart."""
     out = [f"{a}_to_{b}" for gap in range(1, len(tiers)) for i in range(len(tiers) - gap)
            for a, b in ((tiers[i], tiers[i + gap]), (tiers[i + gap], tiers[i]))]
@@ -43,7 +44,7 @@ def directions(tiers: Sequence[str], sources: Sequence[str] = ("peer",)) -> tupl
 
 
 class MoveStats:
-    def __init__(self, tiers: Sequence[str], page_bytes: int, sources: Sequence[str] = ("peer",)):
+    def __init__(self, tiers: Sequence[str], page_bytes: int, sources: Sequence[str] = SOURCES):
         self.page_bytes = page_bytes
         self.tiers = {t: dict.fromkeys(COUNTERS, 0) for t in tiers}
         self.bytes_moved = dict.fromkeys(directions(tiers, sources), 0)
@@ -62,7 +63,7 @@ class MoveStats:
         elif event in _PER_TIER:
             self.tiers[tier][_PER_TIER[event]] += pages
         else:
-            if event == "corrupt":
+            if event == "corrupt" and tier in self.tiers:
                 self.tiers[tier]["misses"] += pages
             self.pages[event] += pages
 

@@ -209,6 +209,8 @@ class PageIO:
         finally:
             with self.store._lock:
                 done = mover.finish_write(job.plan, failure is None)
+                if done and self.store.remote is not None:   # durable in cold: on to the remote tier, queued
+                    self.store.remote.offer([(e.namespace, e.key) for e in done])   # before they are clean
                 for e in job.plan.entries if failure else ():
                     e.write_failures += 1
                     if e.key in mover.index and (failure == "cold_full" or e.write_failures >= MAX_WRITE_FAILURES):

@@ -53,6 +53,7 @@ from kvstore.maintenance import TierMaintenance
 from kvstore.move_stats import MoveStats
 from kvstore.mover import PageMover
 from kvstore.record import RecordHeader
+from kvstore.remote import open_remote
 from kvstore.sharing import WarmSharing
 from kvstore.spec import KVSpec
 from kvstore.tiers.base import Tier
@@ -121,6 +122,14 @@ class TieredStore(WarmSharing, TierMaintenance):
                 self.data_dir.unlock()
             raise
         self._by_name = {t.name: t for t in self.tiers}
+        try:
+            self.remote = open_remote(config, self.spec)
+        except BaseException:
+            for tier in self.tiers:
+                tier.close()
+            if self.data_dir is not None:
+                self.data_dir.unlock()
+            raise
         names = tuple(self._by_name)
         self.index = PageIndex(config.eviction_policy, names, tuple(t.name for t in self.tiers if t.keyed))
         self._lock = threading.RLock()
@@ -140,6 +149,8 @@ class TieredStore(WarmSharing, TierMaintenance):
             self._indexer = threading.Thread(target=self._index_cold, name="kvstore-cold-index", daemon=True)
             self._indexer.start()
         self.daemon.start()
+        if self.remote is not None and self.cold is not None:
+            self.remote.start(self.cold.records)
 
     # the tiers, by role
     @property
@@ -209,6 +220,8 @@ class TieredStore(WarmSharing, TierMaintenance):
         if self._indexer is not None:
             self._indexer.join()
         self.daemon.close(persist)
+        if self.remote is not None:
+            self.remote.close()
         with self._lock:
             for tier in reversed(self.tiers):
                 tier.close()
@@ -432,10 +445,11 @@ class TieredStore(WarmSharing, TierMaintenance):
                 self.daemon.end_load(ticket)
         return out
 
-    def import_records(self, records: Sequence[tuple[RecordHeader, bytes]]) -> int:
+    def import_records(self, records: Sequence[tuple[RecordHeader, bytes]], source_name: str = "peer") -> int:
         """Put verified pages (a prefix chain whose first parent is cached or the root) into warm,
-        as cached pages; returns how many are now cached. The caller has verified them."""
-        source = PeerPages(self.spec, records)   # a read-only tier the mover reads into warm
+        as cached pages; returns how many are now cached. The caller has verified them; their bytes
+        are counted as `<source_name>_to_warm`."""
+        source = PeerPages(self.spec, records, source_name)   # a read-only tier the mover reads into warm
         with self.daemon.room_for(len(records), self.config.daemon.backpressure_timeout_s):
             done = self.mover.admit(source, [header for header, _ in records[:self.daemon.room(len(records))]])
             if done:
@@ -443,6 +457,21 @@ class TieredStore(WarmSharing, TierMaintenance):
         if done < len(records):
             self.daemon.refused(len(records) - done)
         return done
+
+    def fetch_remote(self, tokens: Sequence[int], namespace: Namespace, known: int | None = None) -> tuple[int, int]:
+        """Bring the pages of `tokens` that the remote tier holds beyond the cached prefix into warm.
+        `known`: how many of the chain's pages the prefix index says the remote holds (None: ask it).
+        Returns (pages cached before, pages added). Blocks for the network: for worker threads;
+        failures are misses."""
+        ps = self.spec.page_size
+        local = self.match(tokens, namespace).num_pages
+        if self.remote is None or (known is not None and known <= local) or len(tokens) // ps <= local:
+            return local, 0
+        keys = page_keys(namespace, tokens, ps)
+        expect = [tokens_bytes(tokens[i * ps:(i + 1) * ps]) for i in range(local, len(keys))]
+        added = self.remote.fetch(namespace.digest, keys[local:], expect, keys[local - 1] if local else namespace.digest,
+                                  lambda chunk: self.import_records(chunk, "remote"), None if known is None else known - local)
+        return local, added
 
     # operator controls
     def pin(self, keys: Iterable[bytes], ttl_s: float | None = None) -> int:
@@ -490,9 +519,12 @@ class TieredStore(WarmSharing, TierMaintenance):
             tiers["warm"]["allocated_pages"] = len(self._warm_owned)
             tiers["warm"]["leased_pages"] = sum(1 for e in self.index.warm_slots.values() if e.leases)
             tiers["warm"]["loading_pages"] = len(self.mover.reading)
+            if self.remote is not None:
+                tiers["remote"] = self.remote.stats()
             return {"page_bytes": self.spec.page_bytes, "spec": self.spec.describe(), "tiers": tiers,
                     "bytes_moved": counts["bytes_moved"], "entries": len(self.index),
-                    "corrupt_pages": counts["corrupt_pages"], "mismatched_pages": counts["mismatched_pages"],
+                    "corrupt_pages": counts["corrupt_pages"] + (self.remote.corrupt if self.remote is not None else 0),
+                    "mismatched_pages": counts["mismatched_pages"],
                     "dropped_pages": counts["dropped_pages"], "dropped_by_reason": counts["dropped_by_reason"],
                     "write_behind": self.daemon.stats(), "cold_write_errors": self.io.write_errors,
                     "cold": self.cold_state(), "cold_indexing": dict(self.indexing),

@@ -59,6 +59,8 @@ import time  # noqa: E402
 
 import aiohttp  # noqa: E402
 
+from kvstore.index import CACHE_TIERS  # noqa: E402
+
 BOS = 256               # the byte tokenizer's, and tiny-16k's
 QUESTION_TOKENS = 24
 STREAM_PROMPT_TOKENS = 32
@@ -301,7 +303,7 @@ async def bench(args, server: Server) -> dict:
 
     base, with_ = summary(itl["baseline"]), summary(itl["with_arrivals"])
     ratio = with_["p99_ms"] / base["p99_ms"]
-    cached = {tier: sum(a["cached"].get(tier, 0) for a in arrivals) for tier in ("hot", "warm", "cold", "peer")}
+    cached = {tier: sum(a["cached"].get(tier, 0) for a in arrivals) for tier in CACHE_TIERS}
     lat = sorted(a["latency_s"] for a in arrivals)
     return {
         "benchmark": "cold_admission", "model": args.model_name, "streams": args.streams,

@@ -108,9 +108,9 @@ def make_cluster(directory: Path, nodes: int = 3) -> list[RedisServer]:
                     "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        out = subprocess.run(["redis-cli", "-p", str(servers[0].port), "cluster", "info"],
-                             capture_output=True, text=True).stdout
-        if "cluster_state:ok" in out:
+        states = [subprocess.run(["redis-cli", "-p", str(s.port), "cluster", "info"],
+                                 capture_output=True, text=True).stdout for s in servers]
+        if all("cluster_state:ok" in out for out in states):   # every node: one late node answers CLUSTERDOWN
             return servers
         time.sleep(0.2)
     raise RuntimeError("Redis cluster did not become ready")

@@ -49,6 +49,8 @@ class EngineRunner(JobRunner):
     # the worker thread
     def _prepare(self, doc: Document, prefetch: bool) -> Prepared:
         prep = prepare(doc, self.llm.tokenizer)
+        if not prep.error and self.store.remote is not None:   # what the remote tier holds beyond the cache, to warm
+            self.store.fetch_remote(prep.doc_ids, self.namespace(doc.tenant))
         if prep.error or not prefetch:
             return prep
         m = self.store.match(prep.doc_ids, self.namespace(doc.tenant))

@@ -26,10 +26,10 @@ from pathlib import Path
 
 Key = tuple[str, int]   # (document id, question index)
 
-TIER_COLORS = {"none": "#d62728", "hot": "#1f77b4", "warm": "#ff7f0e", "cold": "#2ca02c", "peer": "#8c564b",
+TIER_COLORS = {"none": "#d62728", "hot": "#1f77b4", "warm": "#ff7f0e", "cold": "#2ca02c", "remote": "#17becf", "peer": "#8c564b",
                "cached": "#9467bd"}
 TIER_LABELS = {"none": "none (computed)", "hot": "hot", "warm": "warm", "cold": "cold",
-               "peer": "peer (another instance)", "cached": "cached (tier not reported)"}
+               "remote": "remote (the shared store)", "peer": "peer (another instance)", "cached": "cached (tier not reported)"}
 MEASURED_COLOR, WITHOUT_CACHE_COLOR = "#1f77b4", "#d62728"
 PLOTS = ("ttft_by_tier.png", "tier_occupancy.png", "time_saved.png")
 MAX_DOCUMENT_ROWS = 50

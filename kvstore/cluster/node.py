@@ -11,7 +11,7 @@ from typing import Sequence
 from aiohttp import web
 
 from kvstore.cluster.peer import NO_TOKEN, PeerFetcher, serve_pages
-from kvstore.cluster.redis_index import RedisIndex
+from kvstore.cluster.redis_index import REMOTE, RedisIndex
 from kvstore.config import Config
 from kvstore.keys import Namespace, page_keys
 
@@ -35,6 +35,8 @@ class ClusterNode:
             log.warning("%s (POST /v1/peer/pages answers 403); set the same cluster.token on every instance",
                         NO_TOKEN)
         self.store.add_listener(self.index.on_residency)
+        if self.store.remote is not None:
+            self.store.remote.add_listener(self.index.on_remote)
         await self.index.start()
 
     async def stop(self) -> None:
@@ -47,10 +49,34 @@ class ClusterNode:
     async def lookup_peers(self, tokens: Sequence[int], ns: Namespace) -> list[dict]:
         keys = page_keys(ns, tokens, self.store.spec.page_size)
         return [{"instance": p["instance"], "tokens": p["pages"] * self.store.spec.page_size, "tier": p["tier"]}
-                for p in await self.index.lookup(ns.digest, keys)]
+                for p in await self.index.lookup(ns.digest, keys) if p["instance"] != REMOTE]
+
+    async def remote_pages(self, tokens: Sequence[int], ns: Namespace) -> int | None:
+        """How many of the chain's leading pages the index says the remote tier holds (None: it says nothing)."""
+        keys = page_keys(ns, tokens, self.store.spec.page_size)
+        found = [p["pages"] for p in await self.index.lookup(ns.digest, keys) if p["instance"] == REMOTE]
+        return found[0] if found else None
 
     def stats(self) -> dict:
         return {**self.index.stats(), "fetch": self.fetcher.stats()}
+
+
+def make_prefetch(store, node: ClusterNode | None):
+    """The engine's prefetch hook (AsyncLLM's `prefetch`): the pages of a prompt beyond its cached
+    prefix from the remote tier, then from a peer (node). None when there is neither."""
+    if store.remote is None and node is None:
+        return None
+
+    async def prefetch(tokens: Sequence[int], ns: Namespace) -> tuple[int, dict[str, int]]:
+        head, fetched, local = tokens[:len(tokens) - 1], {}, None   # the last token is always computed
+        if store.remote is not None:
+            known = await node.remote_pages(head, ns) if node is not None else None
+            local, fetched["remote"] = await store.daemon.run(store.fetch_remote, head, ns, known)
+        if node is not None:
+            before, fetched["peer"] = await node.prefetch(tokens, ns)
+            local = before if local is None else local
+        return local, fetched
+    return prefetch
 
 
 def peer_status(node: ClusterNode | None) -> dict:

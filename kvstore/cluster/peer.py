@@ -103,7 +103,7 @@ class PeerFetcher:
         local = (await self.daemon.run(self.store.match, tokens[:len(tokens) - 1], ns)).num_pages
         if not self.token:      # no peer would answer; the start-up warning said why
             return local, 0
-        peers = [p for p in await self.index.lookup(ns.digest, keys) if p["pages"] > local]
+        peers = [p for p in await self.index.lookup(ns.digest, keys) if p["pages"] > local and p["url"]]
         if not peers:
             return local, 0
         best = peers[0]

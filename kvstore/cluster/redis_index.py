@@ -2,7 +2,8 @@
 
 Layout (all keys under cluster.key_prefix P; `{ns}` is a hash tag, so in Redis Cluster the pages
 of one namespace live on one node and a prompt's lookup is one round trip per node):
-    P{ns}:page:<key hex>   hash   instance id -> its best tier for the page
+    P{ns}:page:<key hex>   hash   instance id -> its best tier for the page; "@remote" -> "remote"
+                                  while the remote tier holds the page (an instance that wrote it says so)
     P:inst:<id>:pages      set    "<ns>:<key hex>" of every page the instance published
     P:live                 hash   instance id -> JSON {url, expires (unix seconds)}
 
@@ -12,6 +13,10 @@ Rules:
   when it starts and after every reconnect, so the index is never stale after a restart.
 - A lookup is one pipelined round trip and ignores instances whose heartbeat expired, at
   once; their entries are garbage-collected by whichever instance notices.
+- Remote tier entries are published by the instance that wrote (or deleted) the records, as the
+  pseudo-instance REMOTE, always live: a lookup then knows how much of a prompt the remote
+  tier holds before asking it. They are not republished after a reconnect (the records are
+  not this instance's residency); a lookup that finds none asks the remote tier itself.
 - Redis unreachable: local-only mode. Lookups answer nothing, nothing raises, the error is
   logged once per outage (with backoff between reconnects) and `state` says so. A Redis that
   refuses our credentials or TLS settings is a configuration error: start() raises.
@@ -38,7 +43,8 @@ from kvstore.config import ClusterConfig
 from kvstore.errors import KVStoreError
 
 log = logging.getLogger("kvstore.cluster")
-TIER_RANK = {"hot": 0, "warm": 1, "cold": 2}
+TIER_RANK = {"hot": 0, "warm": 1, "cold": 2, "remote": 3}
+REMOTE = "@remote"   # the pseudo-instance whose entries say the remote tier holds a page
 Resolver = Callable[[list[bytes]], dict[bytes, tuple[str, bytes] | None]]   # key -> (tier, ns digest) | None
 _DOWN = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
@@ -80,6 +86,7 @@ class RedisIndex:
         self.errors = 0
         self.published = 0
         self._pending: collections.deque[bytes] = collections.deque()
+        self._remote: collections.deque[tuple[str, bytes, list[bytes]]] = collections.deque()
         self._tasks: list[asyncio.Task] = []
 
     def _client(self):
@@ -175,10 +182,30 @@ class RedisIndex:
         """Store listener: called under the store lock from any thread; only queues the key."""
         self._pending.append(key)
 
+    def on_remote(self, event: str, ns: bytes, keys: list[bytes]) -> None:
+        """Remote tier listener (its writer thread): pages it stored ("add") or deleted ("remove")."""
+        self._remote.append((event, ns, keys))
+
+    async def _publish_remote(self) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for _ in range(len(self._remote)):
+            event, ns, keys = self._remote.popleft()
+            for key in keys:
+                if event == "add":
+                    pipe.hset(self.page_key(ns, key), REMOTE, "remote")
+                else:
+                    pipe.hdel(self.page_key(ns, key), REMOTE)
+        await pipe.execute()
+
     async def _publisher(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.cfg.flush_interval_s)
+            if self.state == "connected" and self._remote:
+                try:
+                    await self._publish_remote()
+                except (RedisError, *_DOWN) as exc:
+                    self._down(exc)
             if self.state != "connected" or not self._pending:
                 continue
             keys = list(dict.fromkeys(self._pending.popleft() for _ in range(len(self._pending))))
@@ -238,6 +265,7 @@ class RedisIndex:
         now = time.time()
         live = {i.decode(): json.loads(v) for i, v in live_raw.items()}
         live = {i: v for i, v in live.items() if v["expires"] > now and (include_self or i != self.id)}
+        live[REMOTE] = {"url": ""}   # always live: the records are the remote store's
         result = []
         for inst, info in live.items():
             tiers = []

@@ -39,7 +39,7 @@ from kvstore.errors import KVStoreError
 from kvstore.server import openapi
 from kvstore.server import validate as check
 from kvstore.server.validate import AdminError
-from kvstore.server.views import get_page, list_pages, top_prefixes, write_health
+from kvstore.server.views import get_page, list_pages, remote_state, top_prefixes, write_health
 from kvstore.server.history import add_history
 from kvstore.server.metrics import CONTENT_TYPE, Metrics, engine_stats
 
@@ -86,7 +86,8 @@ async def readyz(request: web.Request) -> web.Response:
                               "cluster": cluster.index.state if cluster else "disabled",
                               "peers": peer_status(cluster),
                               "cold_index": dict(state.store.indexing),
-                              "cold": state.store.cold_state(), **writes},
+                              "cold": state.store.cold_state(), **writes,
+                              "remote": remote_state(state.store)},
                              status=200 if ready else 503)
 
 

@@ -28,11 +28,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore.index import CACHE_TIERS
 from kvstore.move_stats import DROP_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TIERS = ("hot", "warm", "cold")
-CACHE_TIERS = (*TIERS, "peer")   # where a request's cached prompt tokens came from
 TIER_COUNTERS = ("hits", "misses", "evictions", "promotions")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PREFETCH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -120,6 +120,8 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("kvstore_cold_index_done", "1 once the cold tier's records are all indexed "
                                 "after a start", value=1 if stats["cold_indexing"]["done"] else 0)
         yield GaugeMetricFamily("kvstore_index_entries", "Pages in the index", value=stats["entries"])
+        if "remote" in tiers:
+            yield from remote_tier(tiers["remote"])
         queue = engine_stats(self.engine) or {}
         yield GaugeMetricFamily("kvstore_queue_depth", "Requests waiting for the engine",
                                 value=queue.get("waiting", 0))
@@ -139,6 +141,27 @@ class StoreCollector(Collector):
                                       value=c["fetch"]["fetched_pages"])
             yield CounterMetricFamily("kvstore_peer_fetch_failures", "Peer fetches that failed",
                                       value=c["fetch"]["failed"])
+
+
+def remote_tier(r: dict) -> Iterable[Metric]:
+    """kvstore_remote_*: the remote tier's health, reads and writes (when remote.url is set)."""
+    yield GaugeMetricFamily("kvstore_remote_up", "1 while the remote tier answers (0: down, its pages are misses)",
+                            value=1 if r["state"] == "up" else 0)
+    for field, help_ in (("hits", "Pages read from the remote tier, verified"),
+                         ("misses", "Remote lookups that ended at a page it does not hold"),
+                         ("corrupt_pages", "Remote values that failed verification (never served)"),
+                         ("errors", "Calls to the remote store that failed or timed out"),
+                         ("read_bytes", "Record bytes read from the remote tier"),
+                         ("written_pages", "Pages written to the remote tier"),
+                         ("skipped_pages", "Pages not written to the remote tier: its queue was full"),
+                         ("deleted_pages", "Records deleted to keep within remote.max_bytes")):
+        yield CounterMetricFamily(f"kvstore_remote_{field}", help_, value=r[field])
+    yield GaugeMetricFamily("kvstore_remote_used_bytes", "Bytes of the records this instance wrote and keeps",
+                            value=r["used_bytes"])
+    yield GaugeMetricFamily("kvstore_remote_queued_pages", "Pages waiting to be written to the remote tier",
+                            value=r["queued_pages"])
+    yield GaugeMetricFamily("kvstore_remote_read_latency_seconds", "Mean time of a remote read call",
+                            value=r["read_latency_ms"] / 1000)
 
 
 class Metrics:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 from kvstore import __version__
+from kvstore.index import CACHE_TIERS
 from kvstore.move_stats import DROP_REASONS
 
 HEX_KEY = "^[0-9a-fA-F]{64}$"
@@ -103,7 +104,11 @@ SCHEMAS = {
                    "cold": _ref("ColdState"),
                    "write_behind": _obj({k: _WRITE_BEHIND[k] for k in _READY_WRITE_BEHIND},
                                         description="write-behind to cold now; does not hold readiness back"),
-                   "dropped_by_reason": _DROPPED}),
+                   "dropped_by_reason": _DROPPED,
+                   "remote": _obj({"state": {"enum": ["up", "down", "disabled"]},
+                                   "last_error": {"type": "string"}},
+                                  description="the remote tier; down (its pages are misses) does not hold "
+                                              "readiness back")}),
     "ColdState": _obj({"enabled": {"type": "boolean"},
                        "write_errors": {**_int(), "description": "write-behind batches that failed (their pages "
                                                                  "stayed in memory)"},
@@ -126,11 +131,33 @@ SCHEMAS = {
         required=["capacity_bytes", "used_bytes", "pages", "referenced_pages", "pinned_pages", "high_watermark",
                   "low_watermark", "hits", "misses", "evictions", "promotions", "hit_rate"],
         additionalProperties=True),
+    "RemoteStats": _obj({
+        "url": {"type": "string", "description": "remote.url, its password hidden"},
+        "state": {"enum": ["up", "down"], "description": "down: calls fail fast until a retry (backoff)"},
+        "last_error": {"type": "string", "description": "why it is down, one line (empty when up)"},
+        "write": {"type": "boolean", "description": "remote.write: pages written to cold go to it too"},
+        "capacity_bytes": {**_int(), "description": "remote.max_bytes, this instance's budget (0: none)"},
+        "used_bytes": {**_int(), "description": "bytes of the records this instance wrote and has not deleted"},
+        "pages": {**_int(), "description": "those records"},
+        "hits": {**_int(), "description": "pages read from it, verified"},
+        "misses": {**_int(), "description": "lookups that ended at a page it does not hold, or a bad one"},
+        "corrupt_pages": {**_int(), "description": "values that failed verification (damaged, foreign, truncated)"},
+        "errors": {**_int(), "description": "calls that failed (unreachable, timed out)"},
+        "read_bytes": _int(), "read_latency_ms": {"type": "number", "minimum": 0,
+                                                  "description": "mean time of a read call"},
+        "queued_pages": {**_int(), "description": "pages waiting to be written to it"},
+        "written_pages": _int(), "write_batches": _int(),
+        "skipped_pages": {**_int(), "description": "pages not written: the queue was full (remote.queue_pages)"},
+        "already_present_pages": {**_int(), "description": "pages not written: it held them already"},
+        "deleted_pages": {**_int(), "description": "records deleted to keep within remote.max_bytes"},
+        "hit_rate": {"type": ["number", "null"], "minimum": 0, "maximum": 1}},
+        required=["url", "state", "hits", "misses", "corrupt_pages", "errors", "read_latency_ms"],
+        description="the remote tier (remote.url), present when configured"),
     "EngineStats": _obj({"waiting": _int(), "running": _int(), "preemptions": _int(), "computed_tokens": _int()},
                         additionalProperties=True),   # the engine's stats() may grow
     "Stats": _obj({
         "page_bytes": _int(1), "spec": {"type": "string"},
-        "tiers": _obj({t: _ref("TierStats") for t in TIERS}),
+        "tiers": _obj({**{t: _ref("TierStats") for t in TIERS}, "remote": _ref("RemoteStats")}, required=TIERS),
         "bytes_moved": {"type": "object", "additionalProperties": _int(),
                         "description": "bytes copied between tiers, by direction (e.g. hot_to_warm)"},
         "entries": _int(), "corrupt_pages": _int(), "mismatched_pages": _int(), "cold": _ref("ColdState"),
@@ -287,7 +314,7 @@ SCHEMAS["HistorySample"] = _obj({
     "t": {"type": "number", "description": "unix time of the reading"},
     "elapsed_s": {"type": "number", "minimum": 0, "description": "seconds since the previous reading"},
     "occupancy": {**_obj({t: _NUMBER for t in TIERS}), "description": "used / capacity bytes (null: no tier)"},
-    "hit_rate": {**_obj({t: _RATIO for t in [*TIERS, "peer"]}),
+    "hit_rate": {**_obj({t: _RATIO for t in CACHE_TIERS}),
                  "description": "prompt tokens served from each tier / prompt tokens (null: no requests)"},
     "requests_per_s": _RATE, "prompt_tokens_per_s": _RATE, "generation_tokens_per_s": _RATE,
     "ttft_p50_s": _NUMBER, "ttft_p99_s": _NUMBER,

@@ -42,6 +42,14 @@ def write_health(store) -> dict:
                 "dropped_by_reason": store.counts.snapshot()["dropped_by_reason"]}
 
 
+def remote_state(store) -> dict:
+    """/readyz's view of the remote tier: up, down (its pages are misses meanwhile) or disabled."""
+    remote = store.remote
+    if remote is None:
+        return {"state": "disabled", "last_error": ""}
+    return {"state": remote.state, "last_error": remote.last_error}
+
+
 def get_page(store, key: bytes) -> dict | None:
     with store._lock:
         e = store.index.get(key)

@@ -9,6 +9,8 @@ Keys travel as hex strings.
              checks the geometry and fixes the connection's namespace; every other op needs it first;
              layout (optional) names the client's own byte layout of a page, part of the namespace
     lookup   {tokens}                             -> {pages, tokens, tiers, counts, keys}   no side effects
+             but one: pages the remote tier holds beyond the cached prefix are brought into warm first
+             (so does a get by tokens)
     alloc    {n, partial, wait_s}                 -> {slots, short}   warm slots for this client to fill;
              waits (daemon.backpressure_timeout_s, or wait_s if shorter) while write-behind is
              behind; then with partial the slots that fit (maybe fewer, `short` says why),

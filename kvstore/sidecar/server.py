@@ -258,7 +258,10 @@ class SidecarServer:
                 "spec": spec_fields(self.spec)}
 
     async def lookup(self, s: Session, req: dict) -> dict:
-        m = await self.daemon.run(self.store.match, get_tokens(req), s.namespace)
+        tokens = get_tokens(req)
+        if self.store.remote is not None:   # the pages beyond the cached prefix that the remote tier holds, to warm
+            await self.daemon.run(self.store.fetch_remote, tokens, s.namespace)
+        m = await self.daemon.run(self.store.match, tokens, s.namespace)
         return {"pages": m.num_pages, "tokens": m.num_tokens, "tiers": m.tiers, "counts": m.counts(),
                 "keys": [k.hex() for k in m.keys]}
 
@@ -336,6 +339,8 @@ class SidecarServer:
             limit = min(limit or self.frame_pages, self.frame_pages)
 
         def lease() -> tuple[list[bytes], list[int], int]:
+            if keys is None and self.store.remote is not None:
+                self.store.fetch_remote(tokens, s.namespace)   # what the remote tier holds beyond the cache
             chain = keys if keys is not None else self.store.match(tokens, s.namespace).keys
             want = chain[start:start + limit] if limit else chain[start:]
             slots = self.store.lease_warm(want, s.namespace)

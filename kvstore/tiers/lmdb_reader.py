@@ -64,6 +64,14 @@ class LmdbReader:
             rest = [f.result() for f in futures]   # never leave a helper writing into a target
         return first + [ok for group in rest for ok in group]
 
+    def records(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The stored record of each key as bytes (None when there is none), unverified: for a copy
+        elsewhere (the remote tier), whose reader verifies it. One read transaction."""
+        with self._remap.shared():
+            self._check_open()
+            with self._env.begin(db=self._pages, buffers=True) as txn:
+                return [bytes(v) if (v := txn.get(key)) is not None else None for key in keys]
+
     def _read_pool(self) -> ThreadPoolExecutor:
         with self._lock:
             self._check_open()

@@ -1,4 +1,5 @@
-"""PeerPages: pages another instance sent, a read-only tier the mover reads from into warm.
+"""PeerPages: pages another instance sent (or the remote tier read), a read-only tier the mover reads
+from into warm.
 
 A peer fetch (cluster/peer.py) verifies each record it receives and hands the chain to the store
 as one PeerPages; the mover then reads it into warm through the tier interface, like any lower
@@ -21,8 +22,9 @@ class PeerPages(Tier):
     keyed = True
     writable = False
 
-    def __init__(self, spec: KVSpec, records: Sequence[tuple[RecordHeader, bytes]]):
+    def __init__(self, spec: KVSpec, records: Sequence[tuple[RecordHeader, bytes]], name: str = "peer"):
         super().__init__(spec)
+        self.name = name
         self.records = {h.key: (h, payload) for h, payload in records}
 
     @property

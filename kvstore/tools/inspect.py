@@ -147,7 +147,16 @@ def show_stats(s: dict) -> str:
     return (f"{out}\n\n{s['entries']} pages indexed, {format_size(s['page_bytes'])} each ({s['spec']})\n"
             f"policy {s['eviction_policy']}, {s['write_policy']}; queue: {s['queue_depth']} waiting, "
             f"{s['running']} running; corrupt pages {s['corrupt_pages']}\nbytes moved: {moved}\n"
-            f"{show_write_behind(s['write_behind'])}\ndropped pages: {s['dropped_pages']} ({dropped})")
+            f"{show_write_behind(s['write_behind'])}\ndropped pages: {s['dropped_pages']} ({dropped})"
+            + (f"\n{show_remote(s['tiers']['remote'])}" if "remote" in s["tiers"] else ""))
+
+
+def show_remote(r: dict) -> str:
+    state = r["state"] + (f" ({r['last_error']})" if r["last_error"] else "")
+    return (f"remote {r['url']}: {state}; {r['hits']} hits, {r['misses']} misses, {r['corrupt_pages']} corrupt, "
+            f"{r['errors']} errors, read {r['read_latency_ms']:.1f} ms a call; "
+            f"{r['pages']} pages written kept ({format_size(r['used_bytes'])}), {r['queued_pages']} queued, "
+            f"{r['skipped_pages']} skipped")
 
 
 def show_write_behind(wb: dict) -> str:

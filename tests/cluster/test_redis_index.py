@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from kvstore.cluster.redis_index import RedisIndex
+from kvstore.cluster.redis_index import REMOTE, RedisIndex
 from kvstore.config import ClusterConfig
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, page_keys
@@ -219,3 +219,25 @@ async def test_redis_cluster(tmp_path):
     finally:
         for s in servers:
             s.stop()
+
+
+async def test_remote_tier_entries_are_found_by_a_lookup_before_asking_it(tmp_path):
+    server = RedisServer(tmp_path / "r")
+    try:
+        writer, _ = await make_index(cfg(server.url), "W")
+        reader, _ = await make_index(cfg(server.url), "R")
+        keys = page_keys(NS_A, TOKENS, 16)
+        writer.on_remote("add", NS_A.digest, keys[:4])   # the remote tier stored these (its writer thread)
+        await asyncio.sleep(0.2)
+        found = await reader.lookup(NS_A.digest, keys)
+        assert [(p["instance"], p["pages"], p["tier"], p["url"]) for p in found] == [(REMOTE, 4, "remote", "")]
+        assert await reader.lookup(NS_B.digest, page_keys(NS_B, TOKENS, 16)) == []
+        writer.on_remote("remove", NS_A.digest, keys[2:4])   # deleted within remote.max_bytes
+        await asyncio.sleep(0.2)
+        assert [p["pages"] for p in await reader.lookup(NS_A.digest, keys)] == [2]
+        await writer.stop()   # the records are the remote store's: they outlive the instance that wrote them
+        await asyncio.sleep(0.1)
+        assert [p["pages"] for p in await reader.lookup(NS_A.digest, keys)] == [2]
+        await reader.stop()
+    finally:
+        server.stop()

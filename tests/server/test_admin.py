@@ -175,7 +175,8 @@ async def test_health_and_readiness(admin):
                                                 "evicted_for_room": 0, "disk_bound": False},
                                        "write_behind": {"dirty_pages": 0, "max_dirty_pages": 4, "lag_s": 0.0,
                                                         "stranded_pages": 0},
-                                       "dropped_by_reason": {"no_cold_tier": 0, "cold_full": 0, "write_error": 0}}
+                                       "dropped_by_reason": {"no_cold_tier": 0, "cold_full": 0, "write_error": 0},
+                                       "remote": {"state": "disabled", "last_error": ""}}
     set_draining(admin.app)
     status, ready = await admin.get("/readyz")
     assert status == 503 and ready["ready"] is False and ready["checks"]["accepting"] is False

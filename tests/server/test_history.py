@@ -41,7 +41,7 @@ def test_samples_are_rates_between_readings(tmp_path):
         s = history.record(history.read())
         assert s["elapsed_s"] == 2 and s["requests_per_s"] == 1.0
         assert s["prompt_tokens_per_s"] == 80 and s["generation_tokens_per_s"] == 6
-        assert s["hit_rate"] == {"hot": 48 / 160, "warm": 16 / 160, "cold": 32 / 160, "peer": 16 / 160}
+        assert s["hit_rate"] == {"hot": 48 / 160, "warm": 16 / 160, "cold": 32 / 160, "remote": 0.0, "peer": 16 / 160}
         assert s["ttft_p50_s"] == pytest.approx(0.025) and s["ttft_p99_s"] == pytest.approx(0.099)
         assert s["occupancy"]["hot"] == 0.5 and s["occupancy"]["warm"] == 0
         assert s["bytes_moved_per_s"] == {"up": 0, "down": 4 * SPEC.page_bytes / 2}

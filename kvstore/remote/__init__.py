@@ -1,0 +1,45 @@
+"""The remote tier: page records in a distributed store that instances share (tier.py), through a
+backend chosen by remote.url's scheme (backend.py: redis, rediss, redis+cluster in
+redis_backend.py, mooncake in mooncake.py, or a plugin's under the entry point group
+kvstore.remote)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from kvstore.config import Config
+from kvstore.errors import ConfigError
+from kvstore.remote.backend import REMOTE_BACKENDS, RemoteBackend, RemoteDown
+from kvstore.remote.tier import RemoteTier
+from kvstore.spec import KVSpec
+
+__all__ = ["RemoteBackend", "RemoteDown", "RemoteTier", "open_remote"]
+
+
+def _factory(url: str):
+    from kvstore.remote import redis_backend  # noqa: F401 (they register the built-in backends)
+
+    scheme = url.partition("://")[0].lower()
+    try:
+        return REMOTE_BACKENDS.get(scheme)
+    except ConfigError:
+        raise ConfigError("remote.url", f"{scheme}://...", "must start with one of "
+                          + ", ".join(f"{n}://" for n in REMOTE_BACKENDS.names())) from None
+
+
+def open_remote(config: Config, spec: KVSpec) -> RemoteTier | None:
+    """The remote tier remote.url names (None when it is empty). A bad URL raises ConfigError; a
+    remote store that is down now is not an error: the tier starts down and retries."""
+    cfg = config.remote
+    if not cfg.url:
+        return None
+    factory = _factory(cfg.url)
+    password = os.environ.get(cfg.password_env, "") if cfg.password_env else ""
+    connect = functools.partial(factory, cfg.url, cfg.timeout_ms / 1000, password)
+    tier = RemoteTier(cfg, spec, connect)
+    try:
+        tier.backend = connect()
+    except RemoteDown as exc:
+        tier.mark_down(exc)
+    return tier

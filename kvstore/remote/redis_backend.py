@@ -1,0 +1,153 @@
+"""Redis backends of the remote tier: one Redis or Valkey (`redis://`, `rediss://` for TLS) and a
+Redis Cluster or Valkey cluster (`redis+cluster://HOST:PORT[,HOST:PORT...]`), through redis-py.
+
+A batch is one pipeline (per node, in a cluster: redis-py sends to every node before it reads
+any answer), read through a 1 MiB socket buffer (values are pages; redis-py's default 64 KiB
+halves the throughput). Every socket operation is bounded by the timeout; a connection refused,
+reset or timed out raises RemoteDown. In a cluster a batch that touches a node that is down
+fails as a whole (redis-py's cluster pipeline), so the tier is down until the node is back or
+failed over. The password comes from the URL, or else from the environment variable
+remote.password_env names (`password` below); neither is ever logged.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+from urllib.parse import parse_qs, urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
+from redis.retry import Retry
+
+from kvstore.errors import ConfigError
+from kvstore.remote.backend import REMOTE_BACKENDS, RemoteBackend, RemoteDown
+
+_CHUNK = 64                # commands a pipeline carries at most (values are pages: ~1 MiB each)
+READ_BUFFER = 1 << 20      # bytes a socket read takes at most
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
+class RedisBackend(RemoteBackend):
+    scheme = "redis"
+
+    def __init__(self, url: str, timeout_s: float, password: str = ""):
+        super().__init__(url, timeout_s)
+        opts = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "retry": Retry(NoBackoff(), 0),
+                "socket_read_size": READ_BUFFER}   # no retries: one timeout is the bound
+        if password and not urlsplit(url).password:
+            opts["password"] = password
+        try:
+            self.client = self._connect(url, opts)
+        except (ValueError, RedisClusterException) as exc:
+            raise ConfigError("remote.url", self.describe(), f"is not a valid {self.scheme} URL: {exc}") from None
+        except RedisError as exc:
+            self._refused(exc)
+            raise RemoteDown(f"the remote store at {self.describe()} cannot be reached: {_one_line(exc)}") from None
+
+    def _connect(self, url: str, opts: dict):
+        return redis.Redis.from_url(url, **opts)
+
+    def _refused(self, exc: BaseException) -> None:
+        """A server that refuses our credentials is a configuration error, not an outage."""
+        if isinstance(exc, AuthenticationError) or "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+            raise ConfigError("remote.url", self.describe(), "the remote store refused the credentials: put the "
+                              "password in the URL or in the variable remote.password_env names") from None
+
+    def _run(self, commands) -> list:
+        """Results of one pipeline of (method, args) pairs, in order; RemoteDown when it fails."""
+        pipe = self.client.pipeline(transaction=False)
+        for method, *args in commands:
+            getattr(pipe, method)(*args)
+        try:
+            return pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            self._refused(exc)
+            raise RemoteDown(f"the remote store at {self.describe()} failed: {_one_line(exc)}") from None
+        except OSError as exc:
+            raise RemoteDown(f"the remote store at {self.describe()} failed: {_one_line(exc)}") from None
+
+    def _batched(self, method: str, args: Sequence) -> list:
+        out: list = []
+        for i in range(0, len(args), _CHUNK):
+            results = self._run([(method, *a) for a in args[i:i + _CHUNK]])
+            out.extend(self._check(results))
+        return out
+
+    def _check(self, results: list) -> list:
+        """Errors in place of results: a failed command is a miss for its key; all failed: RemoteDown."""
+        errors = [r for r in results if isinstance(r, Exception)]
+        if not errors:
+            return results
+        if len(errors) == len(results):
+            self._refused(errors[0])
+            if isinstance(errors[0], ResponseError) and "OOM" in str(errors[0]):
+                raise RemoteDown(f"the remote store at {self.describe()} is full (maxmemory without an eviction "
+                                 "policy: set maxmemory-policy allkeys-lru)")
+            raise RemoteDown(f"the remote store at {self.describe()} failed: {_one_line(errors[0])}")
+        return [None if isinstance(r, Exception) else r for r in results]
+
+    def get_many(self, keys: Sequence[str]) -> list:
+        return self._batched("get", [(k,) for k in keys])
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        results = self._batched("set", list(items))
+        if any(r is None for r in results):
+            raise RemoteDown(f"the remote store at {self.describe()} took only some of the pages: a node failed")
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return [bool(n) for n in self._batched("exists", [(k,) for k in keys])]
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        self._batched("delete", [(k,) for k in keys])
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RedisClusterBackend(RedisBackend):
+    scheme = "redis+cluster"
+
+    def _connect(self, url: str, opts: dict):
+        parts = urlsplit(url)
+        hosts = parts.netloc.rpartition("@")[2]
+        nodes = []
+        for hp in filter(None, hosts.split(",")):
+            host, _, port = hp.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"each node must be HOST:PORT, not {hp!r}")
+            nodes.append(ClusterNode(host.strip("[]"), int(port)))
+        if not nodes:
+            raise ValueError("no HOST:PORT given")
+        query = parse_qs(parts.query)
+        if parts.username:
+            opts["username"] = parts.username
+        if parts.password:
+            opts["password"] = parts.password
+        if query.get("ssl", ["false"])[0].lower() in ("1", "true", "yes"):
+            opts["ssl"] = True
+            if "ssl_ca_certs" in query:
+                opts["ssl_ca_certs"] = query["ssl_ca_certs"][0]
+        return RedisCluster(startup_nodes=nodes, **opts)
+
+    def _run(self, commands) -> list:
+        try:
+            return super()._run(commands)
+        except RedisClusterException as exc:
+            raise RemoteDown(f"the remote cluster at {self.describe()} failed: {_one_line(exc)}") from None
+
+
+def _factory(cls):
+    def build(url: str, timeout_s: float, password: str = "") -> RemoteBackend:
+        return cls(url, timeout_s, password)
+    return build
+
+
+REMOTE_BACKENDS.register("redis")(_factory(RedisBackend))
+REMOTE_BACKENDS.register("rediss")(_factory(RedisBackend))
+REMOTE_BACKENDS.register("redis+cluster")(_factory(RedisClusterBackend))
