@@ -30,11 +30,11 @@ static inline v16 ld(const float *p) { return *(const v16u *)p; }
 static inline void st(float *p, v16 x) { *(v16u *)p = x; }
 static inline v16 bc(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-// keep a vector in a register: the compiler would otherwise fold its load into every use
-#if defined(__x86_64__) || defined(__i386__)
+// keep a vector in a register: the compiler would otherwise fold its load into every use. Only
+// where one register holds a whole v16 (AVX-512); elsewhere (AVX2, NEON) a v16 spans several and
+// the constraint cannot be met, so the compiler is left to it
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX512F__)
 #define IN_REG(x) __asm__("" : "+v"(x))
-#elif defined(__aarch64__)
-#define IN_REG(x) __asm__("" : "+w"(x))
 #else
 #define IN_REG(x) (void)0
 #endif
