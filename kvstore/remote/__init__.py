@@ -18,7 +18,7 @@ __all__ = ["RemoteBackend", "RemoteDown", "RemoteTier", "open_remote"]
 
 
 def _factory(url: str):
-    from kvstore.remote import redis_backend  # noqa: F401 (they register the built-in backends)
+    from kvstore.remote import mooncake, redis_backend  # noqa: F401 (they register the built-in backends)
 
     scheme = url.partition("://")[0].lower()
     try:

@@ -5,7 +5,7 @@ store holds, verifies each (checksum, key derivation, namespace, tokens, geometr
 and hands them to the store to admit into warm, a chunk at a time while the next is read. The first page the remote store does not
 hold ends the chain (a miss); one that fails verification is a counted corrupt page, never
 served. Which pages the remote holds is known before asking when the prefix index says so
-(`known`), else asked in one round trip (`exists_many`).
+(`known`); else the reads find where the chain ends (a missing key reads as nothing).
 
 Writes: pages reach it by write-behind from cold. The store's daemon `offer`s every page it
 has made durable in cold; the writer thread takes them in order, up to WRITE_BATCH_BYTES a
@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Sequence
 
 from kvstore import record
@@ -67,6 +68,7 @@ class RemoteTier:
         self._listeners: list[Listener] = []
         self._source: Callable[[list[bytes]], list[bytes | None]] | None = None
         self._thread: threading.Thread | None = None
+        self._readers: queue.SimpleQueue = queue.SimpleQueue()   # pairs of reader threads, between fetches
         self._stopping = False
         # health
         self.state, self.last_error = "up", ""
@@ -136,18 +138,14 @@ class RemoteTier:
         admit(chunk) a chunk at a time (READ_CHUNK pages; it returns how many it stored, and its
         payloads are valid only during the call); returns the pages admitted. keys[i] is the page
         whose tokens are tokens[i], parent the key before keys[0] (the namespace digest for page 0).
-        `known`: how many the prefix index says it holds (None: ask it). The next chunk is read
-        while one is admitted. Blocks for network round trips: for worker threads. Never raises:
+        `known`: how many the prefix index says it holds (None: read until a page is missing). The
+        next chunk is read while one is admitted. Blocks for network round trips: for worker threads. Never raises:
         failures are misses."""
         names = [self.key(namespace, k) for k in keys]
-        total = 0
-        readers = [ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-read") for _ in range(2)]
-        try:
-            if known is None:
-                held = self._call("exists_many", names)
-                known = next((i for i, h in enumerate(held) if not h), len(held))
-                if known < len(names):
-                    self.misses += 1
+        total, pending = 0, None
+        readers = self._take_readers()
+        try:   # without `known`, the reads themselves find the end: a key it does not hold reads as nothing
+            known = len(names) if known is None else known
             # chunks alternate between two reader threads: a backend's values (views into a thread's
             # buffer) stay valid while the next chunk is read on the other thread
             chunks = [names[a:a + READ_CHUNK] for a in range(0, min(known, len(names)), READ_CHUNK)]
@@ -169,10 +167,23 @@ class RemoteTier:
         except RemoteDown:
             pass
         finally:
-            for r in readers:
-                r.shutdown(wait=False, cancel_futures=True)
             self.hits += total
+            self._give_readers(readers, pending)
         return total
+
+    def _take_readers(self) -> list[ThreadPoolExecutor]:
+        """A pair of reader threads for one fetch, kept between fetches (a backend's per-thread
+        buffers stay registered and touched); a new pair when every pair is in use."""
+        try:
+            return self._readers.get_nowait()
+        except queue.Empty:
+            return [ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-read") for _ in range(2)]
+
+    def _give_readers(self, readers: list[ThreadPoolExecutor], pending: Future | None) -> None:
+        """Back to the pool once the read still in flight (if any) has ended."""
+        if pending is not None:
+            wait([pending])
+        self._readers.put(readers)
 
     def _read(self, names: list[str]) -> list:
         t0 = time.monotonic()
@@ -303,6 +314,9 @@ class RemoteTier:
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join()
+        while not self._readers.empty():
+            for r in self._readers.get_nowait():
+                r.shutdown(wait=True)
         if self.backend is not None:
             self.backend.close()
 

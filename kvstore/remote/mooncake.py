@@ -1,0 +1,286 @@
+"""Mooncake Store backend of the remote tier (package mooncake-transfer-engine-non-cuda, optional):
+mooncake://MASTER_HOST:PORT?metadata=URL[&segment=SIZE&buffer=SIZE&protocol=tcp|rdma&device=NAMES&local=HOST]
+
+- metadata: `http://HOST:PORT/metadata` (the master's own with --enable_http_metadata_server) or
+  P2PHANDSHAKE. segment: memory this process lends the store (default 0: the store holds what
+  other clients lend; what is lent is touched as written and lost to the store at exit). buffer:
+  the library's staging buffer (default 0: batches here use areas this backend registers).
+  device: RDMA devices. local: where other clients reach us (default: our address toward the master).
+- A read is one batch_get_into into the calling thread's registered area, a slot per key as large
+  as the largest value seen (1 MiB at first; a larger value is measured and the batch read again);
+  values are read-only views, valid until the thread's next get_many. A write copies into a
+  registered area and is one batch_upsert_from (overwriting, as Redis does). Missing keys: None.
+- The library waits up to 30 s for a hung master (~4 s for a gone one), so each call runs on a
+  helper thread waited for at most timeout_s; then RemoteDown, while the call goes on in the
+  background and calls fail at once until it ends. Calls are serialized. setup and close hold
+  the GIL (setup: ~90 s with no master; close: ~1 s, ~9 s with it gone, ~90 s with it hung): the
+  master and metadata server must accept a connection within timeout_s before setup, and close
+  leaves open a store whose master does not answer.
+- The master evicts (eviction_high_watermark_ratio, eviction_ratio) keys not read within
+  default_kv_lease_ttl; a write the full store cannot place raises RemoteDown.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Sequence
+from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
+
+from kvstore.config import parse_size, redact_secret
+from kvstore.errors import ConfigError
+from kvstore.remote.backend import REMOTE_BACKENDS, RemoteBackend, RemoteDown
+
+try:
+    from mooncake.store import MooncakeDistributedStore
+    _MISSING = ""
+except ImportError as exc:
+    MooncakeDistributedStore = None
+    _MISSING = " ".join(str(exc).split())[:160]
+
+_ALLOWED = ("mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata|P2PHANDSHAKE"
+            "[&segment=SIZE&buffer=SIZE&protocol=tcp|rdma&device=NAMES&local=HOST]")
+_OPTIONS = ("metadata", "segment", "buffer", "protocol", "device", "local")
+_FIRST_SLOT = 1 << 20
+_NOT_FOUND, _TOO_SMALL, _NO_ROOM = -704, -600, -200
+_LEFT_OPEN: list = []   # backends whose store was not closed: collecting it would close it, holding the GIL
+
+
+def parse_url(url: str) -> dict:
+    """The setup arguments a mooncake:// URL names; ConfigError naming remote.url when it is not one."""
+    def bad(why: str):
+        return ConfigError("remote.url", redact_secret(url), f"{why}; allowed: {_ALLOWED}")
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "mooncake" or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise bad("not mooncake://MASTER_HOST:PORT")
+    query = parse_qs(parts.query, keep_blank_values=True)
+    unknown = sorted(set(query) - set(_OPTIONS))
+    if unknown or any(len(v) > 1 for v in query.values()):
+        raise bad(f"unknown or repeated option {', '.join(unknown) or 'given twice'}")
+    opts = {k: v[0] for k, v in query.items()}
+    metadata = opts.get("metadata", "")
+    if not (metadata.startswith(("http://", "https://")) or metadata == "P2PHANDSHAKE"):
+        raise bad("metadata must be the metadata server's http:// URL or P2PHANDSHAKE")
+    protocol = opts.get("protocol", "tcp")
+    if protocol not in ("tcp", "rdma"):
+        raise bad("protocol must be tcp or rdma")
+    try:
+        segment, buffer = parse_size(opts.get("segment", 0)), parse_size(opts.get("buffer", 0))
+    except ValueError:
+        raise bad("segment and buffer must be byte sizes such as 4GiB") from None
+    return {"local": opts.get("local") or _route_to(parts.hostname, port), "metadata": metadata,
+            "segment": segment, "buffer": buffer, "protocol": protocol,
+            "device": opts.get("device", ""), "master": f"{parts.hostname}:{port}"}
+
+
+def _route_to(host: str, port: int) -> str:
+    """This host's address on the route to host (no packet is sent); 127.0.0.1 when there is none."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class _Registrations:
+    """Unregisters an outgrown area once nothing reads it, never after close (a closed store crashes)."""
+
+    def __init__(self, store):
+        self.store, self.lock, self.open = store, threading.RLock(), True
+
+    def forget(self, address: int) -> None:
+        with self.lock:
+            if self.open:
+                self.store.unregister_buffer(address)
+
+
+class _PerThread(threading.local):
+    def __init__(self):
+        self.area = SimpleNamespace()   # the thread's receive area: a value stays valid until its next read
+
+
+class MooncakeBackend(RemoteBackend):
+    scheme = "mooncake"
+
+    def __init__(self, url: str, timeout_s: float):
+        super().__init__(url, timeout_s)
+        cfg = parse_url(url)
+        if MooncakeDistributedStore is None:
+            raise ConfigError("remote.url", self.describe(), "mooncake:// needs the package mooncake-transfer-engine-"
+                              "non-cuda (pip install mooncake-transfer-engine-non-cuda) and libibverbs1 (apt-get "
+                              f"install libibverbs1): {_MISSING}")
+        self.master, self.store = cfg["master"], MooncakeDistributedStore()
+        self._lock, self._stuck, self._slot = threading.Lock(), None, _FIRST_SLOT
+        self._local, self._send, self._registrations = _PerThread(), SimpleNamespace(), _Registrations(self.store)
+        host, _, port = self.master.rpartition(":")
+        self._reachable(host, int(port), "master")
+        if cfg["metadata"] != "P2PHANDSHAKE":
+            meta = urlsplit(cfg["metadata"])
+            self._reachable(meta.hostname, meta.port or (443 if meta.scheme == "https" else 80), "metadata server")
+        rc = self.store.setup(cfg["local"], cfg["metadata"], cfg["segment"], cfg["buffer"], cfg["protocol"],
+                              cfg["device"], cfg["master"])
+        if rc != 0:
+            raise RemoteDown(f"cannot join the Mooncake store at {self.describe()} (setup returned {rc}): "
+                             "is the master running and the metadata server reachable?")
+
+    def _reachable(self, host: str, port: int, what: str) -> None:
+        try:
+            socket.create_connection((host, port), timeout=self.timeout_s).close()
+        except OSError as exc:
+            raise RemoteDown(f"the Mooncake {what} at {host}:{port} cannot be reached: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:120]}") from None
+
+    def _down(self, what: str) -> RemoteDown:
+        return RemoteDown(f"the Mooncake store at {self.describe()} {what}")
+
+    def _run(self, what: str, deadline: float, fn, *args):
+        """fn(*args) on a helper thread, waited for until deadline; RemoteDown when it is late or raises."""
+        box: list = []
+
+        def call():
+            try:
+                box.append((True, fn(*args)))
+            except Exception as exc:
+                box.append((False, exc))
+        thread = threading.Thread(target=call, name=f"kvstore-mooncake-{what}", daemon=True)
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            self._stuck = (thread, what)
+            raise self._down(f"did not answer {what} in time (master {self.master} down or hung?)")
+        ok, value = box[0]
+        if not ok:
+            raise self._down(f"failed {what}: {type(value).__name__}: {' '.join(str(value).split())[:200]}")
+        return value
+
+    @contextmanager
+    def _turn(self):
+        """The deadline of one serialized call; RemoteDown while an abandoned call still runs."""
+        deadline = time.monotonic() + self.timeout_s
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise self._down(f"is busy: no turn within {self.timeout_s:g} s")
+        try:
+            if self._stuck and self._stuck[0].is_alive():
+                raise self._down(f"has not answered an earlier {self._stuck[1]} yet (master {self.master} down or hung?)")
+            yield deadline
+        finally:
+            self._lock.release()
+
+    def _errors(self, what: str, codes: list, fine: tuple = ()) -> list:
+        """The error codes among codes, but fine ones; RemoteDown when the master was not reached."""
+        bad = [c for c in codes if c < 0 and c not in fine]
+        if any(-999 <= c <= -900 for c in bad):
+            raise RemoteDown(f"the Mooncake master at {self.master} cannot be reached ({what}: error {min(bad)})")
+        return bad
+
+    def _fit(self, place, nbytes: int, deadline: float) -> int:
+        """The address of place.array, grown to hold nbytes and registered. A try given up on still
+        records its outcome; a failed one is undone before the next (the store refuses overlaps)."""
+        old = getattr(place, "array", None)
+        if old is None or old.nbytes < nbytes:
+            place.array = np.empty(max(nbytes, 2 * (0 if old is None else old.nbytes)), np.uint8)
+            place.registered = place.tried = False
+            weakref.finalize(place.array, self._registrations.forget, place.array.ctypes.data).atexit = False
+        if not place.registered:
+            array, retry = place.array, place.tried
+
+            def register():
+                if retry:
+                    self.store.unregister_buffer(array.ctypes.data)
+                place.registered = self.store.register_buffer(array.ctypes.data, array.nbytes) == 0
+            place.tried = True
+            self._run("register", deadline, register)
+            if not place.registered:
+                raise self._down(f"did not register a buffer of {array.nbytes} bytes")
+        return place.array.ctypes.data
+
+    def _read(self, keys: list, deadline: float) -> list:
+        slot = self._slot
+        base = self._fit(self._local.area, slot * len(keys), deadline)
+        return self._run("get", deadline, self.store.batch_get_into, keys,
+                         [base + i * slot for i in range(len(keys))], [slot] * len(keys))
+
+    def get_many(self, keys: Sequence[str]) -> list:
+        keys = list(keys)
+        if not keys:
+            return []
+        with self._turn() as deadline:
+            codes = self._read(keys, deadline)
+            if _TOO_SMALL in codes:
+                large = [k for k, c in zip(keys, codes) if c == _TOO_SMALL]
+                sizes = self._run("get_size", deadline, lambda: [self.store.get_size(k) for k in large])
+                self._slot = max(self._slot, *sizes)
+                codes = self._read(keys, deadline)
+            view, slot = memoryview(self._local.area.array).toreadonly(), self._slot
+        failed = self._errors("get", codes, (_NOT_FOUND,))
+        if len(failed) == len(keys):
+            raise self._down(f"answered no key (error {failed[0]})")
+        return [view[i * slot:i * slot + c] if c > 0 else None for i, c in enumerate(codes)]
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        items = list(items)
+        if not items:
+            return
+        sizes = [memoryview(v).nbytes for _, v in items]
+        if 0 in sizes:
+            raise ValueError("the Mooncake store cannot hold an empty value")
+        offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+        with self._turn() as deadline:
+            base = self._fit(self._send, sum(sizes), deadline)
+            for off, n, (_, value) in zip(offsets, sizes, items):
+                self._send.array[off:off + n] = np.frombuffer(value, np.uint8)
+            codes = self._run("put", deadline, self.store.batch_upsert_from, [k for k, _ in items],
+                              [base + off for off in offsets], sizes)
+            self._slot = max(self._slot, *sizes)
+        failed = self._errors("put", codes)
+        if _NO_ROOM in failed:
+            raise self._down(f"is full: {len(failed)} of {len(items)} values not stored (eviction frees room; "
+                             "does any client lend memory, segment=SIZE?)")
+        if failed:
+            raise self._down(f"did not store {len(failed)} of {len(items)} values (error {failed[0]})")
+
+    def _codes(self, what: str, fn, keys: list, *args) -> list:
+        if not keys:
+            return []
+        with self._turn() as deadline:
+            return self._run(what, deadline, fn, keys, *args)
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        codes = self._codes("exists", self.store.batch_is_exist, list(keys))
+        if self._errors("exists", codes):
+            raise self._down(f"failed exists (error {min(codes)})")
+        return [c == 1 for c in codes]
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        codes = self._codes("delete", self.store.batch_remove, list(keys), True)
+        failed = self._errors("delete", codes, (_NOT_FOUND,))
+        if failed:
+            raise self._down(f"did not delete {len(failed)} keys (error {failed[0]})")
+
+    def close(self) -> None:
+        """Leave the store if its master answers now (it takes about 1 s); else leave it open."""
+        try:
+            self.ping()
+        except RemoteDown:
+            _LEFT_OPEN.append(self)
+            return
+        with self._lock, self._registrations.lock:
+            self._registrations.open = False
+            self.store.close()
+
+
+@REMOTE_BACKENDS.register("mooncake")
+def build(url: str, timeout_s: float, password: str = "") -> RemoteBackend:
+    """password: Mooncake has none; taken for the factory signature the remote tier calls."""
+    return MooncakeBackend(url, timeout_s)
