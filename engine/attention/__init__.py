@@ -5,8 +5,8 @@ is a compiled CPU kernel that reads the pages in place (engine/attention/native.
 built for this machine on first use); `sdpa` runs PyTorch's fused flash attention over the same
 pages in place, piece by piece, merged by log-sum-exp (any dtype); `flashinfer` uses FlashInfer's
 paged kernels (CUDA only, imported lazily). `auto` picks flashinfer on CUDA when the package is
-present, else native on the CPU where it can run (float32, a head_dim it is built for, a C++ compiler),
-else sdpa. All take the same AttentionBatch and give the same results (within dtype tolerance).
+present, else native on the CPU where it can run (float32, a head_dim it is built for, a C++ compiler)
+and is the faster one (an x86-64 CPU with AVX-512), else sdpa. All take the same AttentionBatch and give the same results (within dtype tolerance).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def create_backend(name: str, device: torch.device, dtype: torch.dtype = torch.f
             name = "flashinfer" if importlib.util.find_spec("flashinfer") else "sdpa"
         else:
             from engine.attention import native
-            why = native.available(dtype, head_dim)
+            why = native.available(dtype, head_dim) or native.preferred()
             if why:
                 log.info("attention: sdpa (%s)", why)
             name = "sdpa" if why else "native"

@@ -108,6 +108,23 @@ def load():
     return _lib
 
 
+def preferred() -> str | None:
+    """Why `auto` should not pick the native kernel on this CPU (None: it should). It was tuned for
+    AVX-512, where one register holds its 16-lane vectors; on an AVX2 CPU it runs, exactly, but
+    several times slower than sdpa (scripts/bench_attention.py: 0.13-0.16x at a 4K hit, a 512-token
+    chunk and a 2K prefill)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the native attention kernel is tuned for x86-64 with AVX-512, not {platform.machine()}"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    if "avx512f" not in flags:
+        return "the native attention kernel is tuned for AVX-512 and this CPU has none (sdpa is faster here)"
+    return None
+
+
 def available(dtype: torch.dtype, head_dim: int | None = None) -> str | None:
     """Why the native backend cannot run here (None: it can)."""
     if dtype != torch.float32:

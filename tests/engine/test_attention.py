@@ -125,11 +125,16 @@ def test_unknown_or_unavailable_backend_is_a_clear_error():
         create_backend("native", torch.device("cpu"), torch.float32, 72)
 
 
-def test_auto_picks_native_on_the_cpu_for_float32_and_sdpa_otherwise():
+def test_auto_picks_native_on_an_avx512_cpu_for_float32_and_sdpa_otherwise(monkeypatch):
+    from engine.attention import native
     from engine.attention.native import NativeBackend
     from engine.attention.sdpa import SdpaBackend
-    assert isinstance(create_backend("auto", torch.device("cpu"), torch.float32, D), NativeBackend)
+    expected = SdpaBackend if native.preferred() else NativeBackend
+    assert isinstance(create_backend("auto", torch.device("cpu"), torch.float32, D), expected)
     assert isinstance(create_backend("auto", torch.device("cpu"), torch.bfloat16, D), SdpaBackend)
+    monkeypatch.setattr(native, "preferred", lambda: "this CPU has no AVX-512")
+    assert isinstance(create_backend("auto", torch.device("cpu"), torch.float32, D), SdpaBackend)
+    assert isinstance(create_backend("native", torch.device("cpu"), torch.float32, D), NativeBackend)   # asked for
 
 
 def test_native_kernel_without_a_compiler_is_a_clear_error(monkeypatch, tmp_path):
