@@ -61,7 +61,7 @@ from kvstore.tiers.build import Layer, build_tiers, layout
 from kvstore.tiers.device import DeviceTier, resolve_device
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
-from kvstore.tiers.peer_pages import PeerPages
+from kvstore.tiers.peer_pages import PeerPages, RecordPages
 
 Listener = Callable[[str, bytes, str], None]   # (event "add" | "remove", key, tier)
 log = logging.getLogger("kvstore.store")
@@ -445,11 +445,14 @@ class TieredStore(WarmSharing, TierMaintenance):
                 self.daemon.end_load(ticket)
         return out
 
-    def import_records(self, records: Sequence[tuple[RecordHeader, bytes]], source_name: str = "peer") -> int:
+    def import_records(self, records: Sequence[tuple[RecordHeader, bytes]], source_name: str = "peer",
+                       corrupt: Callable[[bytes], None] | None = None) -> int:
         """Put verified pages (a prefix chain whose first parent is cached or the root) into warm,
         as cached pages; returns how many are now cached. The caller has verified them; their bytes
-        are counted as `<source_name>_to_warm`."""
-        source = PeerPages(self.spec, records, source_name)   # a read-only tier the mover reads into warm
+        are counted as `<source_name>_to_warm`. With `corrupt`, the second items are whole records
+        whose checksums are verified as they are copied (a failure: corrupt(key), and the chain ends)."""
+        source = (PeerPages(self.spec, records, source_name) if corrupt is None   # a read-only tier the mover
+                  else RecordPages(self.spec, records, source_name, corrupt))      # reads into warm
         with self.daemon.room_for(len(records), self.config.daemon.backpressure_timeout_s):
             done = self.mover.admit(source, [header for header, _ in records[:self.daemon.room(len(records))]])
             if done:
@@ -470,7 +473,8 @@ class TieredStore(WarmSharing, TierMaintenance):
         keys = page_keys(namespace, tokens, ps)
         expect = [tokens_bytes(tokens[i * ps:(i + 1) * ps]) for i in range(local, len(keys))]
         added = self.remote.fetch(namespace.digest, keys[local:], expect, keys[local - 1] if local else namespace.digest,
-                                  lambda chunk: self.import_records(chunk, "remote"), None if known is None else known - local)
+                                  lambda chunk: self.import_records(chunk, "remote", self.remote.count_corrupt),
+                                  None if known is None else known - local)
         return local, added
 
     # operator controls

@@ -194,22 +194,27 @@ class RemoteTier:
 
     def _verify(self, value, namespace: bytes, key: bytes, tokens: bytes,
                 parent: bytes) -> tuple[RecordHeader, memoryview] | None:
-        """The record's header and page, or None: a miss (no value) or a counted corrupt page."""
+        """The record's header and the record, its header checked (its checksum is checked as it is
+        copied into warm: RecordPages), or None: a miss (no value) or a counted corrupt page."""
         if value is None:
             self.misses += 1
             return None
         try:
-            header, payload = record.decode(value)
+            header = record.read_header(value)
         except record.RecordError:
             header = None
         if (header is None or header.key != key or header.parent != parent or header.namespace != namespace
                 or header.tokens != tokens or header.spec != self.spec.fingerprint
                 or header.nbytes != self.spec.page_bytes):
-            self.corrupt += 1
-            log.warning("remote page %s failed verification: a miss, not served", key.hex()[:12])
+            self.count_corrupt(key)
             return None
         self.read_bytes += len(value)
-        return header, payload
+        return header, value
+
+    def count_corrupt(self, key: bytes) -> None:
+        """A value that failed verification (its header here, its checksum while copied): counted."""
+        self.corrupt += 1
+        log.warning("remote page %s failed verification: a miss, not served", key.hex()[:12])
 
     # writes
     def start(self, source: Callable[[list[bytes]], list[bytes | None]]) -> None:
