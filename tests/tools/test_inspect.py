@@ -264,3 +264,21 @@ async def test_as_a_process(admin):
         stderr=subprocess.PIPE, env=clean_env(), cwd=REPO)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2 and b"HTTP 401" in err
+
+
+async def test_stats_show_the_remote_tier(tmp_path, capsys):
+    """A store whose remote tier is down (nothing listens on its port): inspect stats says so, and
+    /v1/stats validates against the OpenAPI document with tiers.remote in it (running_admin checks)."""
+    store = make_store(tmp_path / "a", **{"remote.url": "redis://:pw@127.0.0.1:1/0", "remote.timeout_ms": "100"})
+    try:
+        store.fetch_remote(tokens_for(1, 2), store.namespace())
+        async with running_admin(tmp_path, token=TOKEN, store=store) as admin:
+            code, out, _ = await cli(capsys, admin, "stats")
+            status, ready = await admin.get("/readyz")
+            _, stats = await admin.get("/v1/stats")
+    finally:
+        store.close(persist=False)
+    line = next(x for x in out.splitlines() if x.startswith("remote "))
+    assert code == 0 and line.startswith("remote redis://:<redacted>@127.0.0.1:1/0: down (") and "pw" not in out
+    assert status == 200 and ready["remote"]["state"] == "down"
+    assert stats["tiers"]["remote"]["state"] == "down" and stats["tiers"]["remote"]["errors"] >= 1
