@@ -88,6 +88,7 @@ class RedisIndex:
         self._pending: collections.deque[bytes] = collections.deque()
         self._remote: collections.deque[tuple[str, bytes, list[bytes]]] = collections.deque()
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
 
     def _client(self):
         if self.cfg.redis_mode == "cluster":
@@ -119,15 +120,17 @@ class RedisIndex:
                 raise KVStoreError(f"Redis at cluster.redis_url answered, but not as configured: {_tls_hint(text)}"
                                    ) from None
             self._down(exc)   # not reachable now: local-only mode, retried in the background
+        self._stopping = False
         self._tasks = [asyncio.create_task(self._heartbeat(), name="kvstore-index-heartbeat"),
                        asyncio.create_task(self._publisher(), name="kvstore-index-publish")]
 
     async def stop(self, deregister: bool = True) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        self._stopping = True   # the loops end at their next turn, should a cancel be lost
+        pending = set(self._tasks)
+        while pending:   # a Redis call's own timeout racing the cancel can swallow it: cancel again
+            for t in pending:
+                t.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
         self._tasks = []
         if deregister and self.state == "connected":
             with contextlib.suppress(RedisError, *_DOWN):
@@ -164,7 +167,7 @@ class RedisIndex:
 
     async def _heartbeat(self) -> None:
         backoff = self.cfg.heartbeat_s
-        while True:
+        while not self._stopping:
             try:
                 if self.state == "connected":
                     await self._beat()
@@ -199,7 +202,7 @@ class RedisIndex:
 
     async def _publisher(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.cfg.flush_interval_s)
             if self.state == "connected" and self._remote:
                 try:
