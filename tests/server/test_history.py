@@ -51,7 +51,7 @@ def test_samples_are_rates_between_readings(tmp_path):
         clock.now += 4
         s = history.record(history.read())
         assert s["elapsed_s"] == 4 and s["requests_per_s"] == 0 and s["prompt_tokens_per_s"] == 0
-        assert s["hit_rate"] == dict.fromkeys(("hot", "warm", "cold", "peer"))   # no requests: no rate
+        assert s["hit_rate"] == dict.fromkeys(("hot", "warm", "cold", "remote", "peer"))   # no requests: no rate
         assert s["ttft_p50_s"] is None and s["ttft_p99_s"] is None
         assert s["bytes_moved_per_s"] == {"up": 0, "down": 4 * SPEC.page_bytes / 4}
         assert s["occupancy"]["hot"] == 0 and s["occupancy"]["warm"] == 0.5

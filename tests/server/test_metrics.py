@@ -19,6 +19,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvstore.index import CACHE_TIERS
 from kvstore.server.admin import STATE
 from kvstore.server.metrics import Metrics
 from conftest import clean_env, requires
@@ -41,7 +42,6 @@ FAMILIES = {  # name as the parser reports it -> type
     "kvstore_backpressure_waits": "counter", "kvstore_backpressure_wait_seconds": "counter",
     "kvstore_backpressure_refused_pages": "counter",
 }
-CACHE_TIERS = ("hot", "warm", "cold", "peer")
 DROP_REASONS = ("no_cold_tier", "cold_full", "write_error")
 WRITE_BEHIND = {  # sample -> store.stats()["write_behind"] field
     "kvstore_write_behind_dirty_pages": "dirty_pages", "kvstore_write_behind_max_dirty_pages": "max_dirty_pages",
@@ -228,7 +228,7 @@ async def test_histograms_are_fed_by_calls(tmp_path):
         assert samples["kvstore_prompt_tokens_total"][()] == samples["kvstore_prefix_cache_queries_total"][()] == 147
         assert samples["kvstore_generation_tokens_total"][()] == 11
         hits = {dict(k)["tier"]: v for k, v in samples["kvstore_prefix_cache_hits_total"].items()}
-        assert hits == {"hot": 64, "warm": 16, "cold": 16, "peer": 16}
+        assert hits == {"hot": 64, "warm": 16, "cold": 16, "remote": 0, "peer": 16}
 
 
 def test_no_created_series(tmp_path):
