@@ -26,7 +26,7 @@ def expect(hot=(0, 0, 0, 0), warm=(0, 0, 0, 0), cold=(0, 0, 0, 0), dropped=0, **
 
 def test_the_directions_are_the_reported_ones():
     assert directions(("hot", "warm", "cold")) == ("hot_to_warm", "warm_to_hot", "warm_to_cold", "cold_to_warm",
-                                                   "hot_to_cold", "cold_to_hot", "peer_to_warm")
+                                                   "hot_to_cold", "cold_to_hot", "remote_to_warm", "peer_to_warm")
     m = MoveStats(("hot", "warm", "cold"), 10)
     m.count("move", "hot", 3, "warm")
     m.count("corrupt", "cold")
