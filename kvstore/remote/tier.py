@@ -28,6 +28,7 @@ the first call that succeeds again logs one line. Nothing here ever raises into 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue
 import threading
@@ -244,7 +245,7 @@ class RemoteTier:
     def _take(self) -> list[tuple[bytes, bytes]]:
         """The oldest queued pages, up to a batch (under the lock); they stay queued until written."""
         limit = max(1, WRITE_BATCH_BYTES // (self.spec.page_bytes + 512))
-        return [(ns, key) for key, ns in list(self._queue.items())[:limit]]
+        return [(ns, key) for key, ns in itertools.islice(self._queue.items(), limit)]
 
     def _write_loop(self) -> None:
         deadline = None

@@ -79,6 +79,19 @@ async def written(session, inst, pages: int, timeout: float = 30.0) -> dict:
         await asyncio.sleep(0.1)
 
 
+async def answered_from_remote(session, inst, docs, answers) -> int:
+    """The instance answers each document exactly as `answers`, with >= 95% of the documents'
+    reusable tokens (full pages; the last token is always computed) read from the remote tier;
+    returns those tokens."""
+    remote = 0
+    for d, expected in zip(docs, answers):
+        tokens, cached = await complete(session, inst, d)
+        assert tokens == expected
+        remote += cached["remote"]
+    assert remote >= 0.95 * sum((len(d) - 1) // PAGE * PAGE for d in docs)
+    return remote
+
+
 def remote_keys(client) -> set[bytes]:
     return set(client.scan_iter(match=f"{PREFIX}page:*", target_nodes=redis.RedisCluster.PRIMARIES))
 
@@ -103,12 +116,7 @@ async def test_a_fresh_instance_answers_from_the_cluster_exactly_damage_and_a_de
             answers = [(await complete(s, a, d))[0] for d in docs]
             await written(s, a, full)
             b = await start(tmp_path, "B", url)
-            remote = 0
-            for d, expected in zip(docs, answers):
-                tokens, cached = await complete(s, b, d)
-                assert tokens == expected
-                remote += cached["remote"]
-            assert remote >= 0.95 * sum((len(d) - 1) // PAGE * PAGE for d in docs)
+            await answered_from_remote(s, b, docs, answers)
 
             # a damaged value: the answer is still exact, and the page is counted, not served
             before = remote_keys(client)

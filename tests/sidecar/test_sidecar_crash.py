@@ -31,7 +31,8 @@ BASE = {"model": "tiny", "kv_dtype": "float32", "hot.pool": 4 * SPEC.page_bytes,
         "cold.max_bytes": "16MiB"}
 SHM = Path("/dev/shm")
 
-pytestmark = pytest.mark.skipif(not SHM.is_dir() or not hasattr(os, "killpg"), reason="needs /dev/shm and killpg")
+needs = (SHM.is_dir() and hasattr(os, "killpg"), "needs /dev/shm and killpg")   # conftest.requires_part
+pytestmark = pytest.mark.usefixtures("requires_part")
 
 
 def tokens_for(doc: int, pages: int) -> list[int]:
