@@ -3,6 +3,10 @@
 key_i = blake3(namespace digest || key_{i-1} || token ids of page i as little-endian int32),
 with key_{-1} = the namespace digest. Only full pages get keys. blake3 makes keys identical
 across processes and machines (no PYTHONHASHSEED) and crafted collisions infeasible.
+
+Named pages: an engine that names its pages itself (SGLang's HiCache: a hash of the whole prefix
+up to the page) stores each as a root page whose "tokens" are a digest of its name, so its key is
+the chain hash of (namespace, namespace, digest) and a record still proves its own key.
 """
 
 from __future__ import annotations
@@ -51,6 +55,20 @@ class Namespace:
             data = part.encode()
             h.update(len(data).to_bytes(4, "little") + data)
         return h.digest(KEY_BYTES)
+
+
+NAME_MAX = 1024   # characters of a page name
+
+
+def name_tokens(name: str) -> bytes:
+    """The "tokens" of a named page: 32 bytes (8 int32) of a digest of its name."""
+    return blake3.blake3(b"kvstore-named-page-v1" + name.encode()).digest(KEY_BYTES)
+
+
+def named_key(namespace: Namespace, name: str) -> bytes:
+    """The key of the page an engine calls `name`, in `namespace` (a root page: its parent is the namespace)."""
+    digest = namespace.digest
+    return blake3.blake3(digest + digest + name_tokens(name)).digest(KEY_BYTES)
 
 
 def tokens_bytes(tokens: Sequence[int]) -> bytes:

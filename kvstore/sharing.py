@@ -2,6 +2,7 @@
 
 Such a caller maps the warm tier itself, so it holds warm slots instead of hot references:
 lease_warm(keys) / allocate_warm(n) -> fill -> commit_warm(tokens, slots) -> release_warm(slots).
+commit_warm_named(names, slots) is commit_warm for an engine that names its pages (kvstore.keys).
 
 Rules: a leased page stays in its warm slot, unchanged, until released (the mover does not
 evict it from warm); an allocated slot is the caller's alone until committed or released, and is
@@ -17,7 +18,7 @@ from typing import Sequence
 
 from kvstore.errors import KVStoreError, OutOfCapacity
 from kvstore.index import PageEntry
-from kvstore.keys import Namespace, page_keys, tokens_bytes
+from kvstore.keys import Namespace, name_tokens, named_key, page_keys, tokens_bytes
 
 
 class WarmSharing:
@@ -80,6 +81,26 @@ class WarmSharing:
                 parent = keys[i]
             self.daemon.wake()
         return keys[start_page:]
+
+    def commit_warm_named(self, namespace: Namespace, names: Sequence[str], slots: Sequence[int]) -> list[bytes]:
+        """commit_warm for named pages: slots[i] holds the page called names[i], a root page of its own
+        (the name stands for its whole prefix). Returns their keys. On error nothing has changed."""
+        if len(names) != len(slots):
+            raise KVStoreError(f"commit_warm_named: {len(names)} names for {len(slots)} slots")
+        keys = [named_key(namespace, name) for name in names]
+        with self._lock:
+            if not self._warm_owned.issuperset(slots) or len(set(slots)) < len(slots):
+                raise KVStoreError(f"commit_warm_named: warm slots {list(slots)} are not all allocated to the caller")
+            for key, name, slot in zip(keys, names, slots):
+                self._warm_owned.discard(slot)
+                if key in self.index:
+                    self.warm.pool.free([slot])
+                    continue
+                e = self.index.add(PageEntry(key, namespace.digest, namespace.digest, name_tokens(name), depth=0))
+                self.index.set_warm(e, slot)
+                self._emit("add", key, "warm")
+            self.daemon.wake()
+        return keys
 
     def lease_warm(self, keys: Sequence[bytes], namespace: Namespace | None = None) -> list[int]:
         """Warm slots holding these pages (a prefix chain), each now leased once by the caller: the page

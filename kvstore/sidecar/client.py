@@ -16,7 +16,9 @@ use of each slot), and get(..., out=buffer) copies into a reused buffer instead 
 what a long-running engine wants.
 Zero-copy users handle the slots themselves: `lease = kv.get_slots(tokens)`, read `kv.view(slot)`
 for each slot, then `kv.release(lease.slots)`; to store, `slots = kv.alloc(n)`, write each
-`kv.view(slot)`, then `kv.put_slots(tokens, slots)`. The sidecar takes slots back after
+`kv.view(slot)`, then `kv.put_slots(tokens, slots)`. An engine that names its pages itself (a hash
+of the prefix up to each page, as SGLang's HiCache does) uses lookup_names(names),
+get_slots(names=...) and put_named(names, slots) instead of tokens. The sidecar takes slots back after
 sidecar.lease_s without a request from this client (`ping()` renews them).
 
 Errors: SidecarError when the sidecar refuses a request (its one-line reason), and
@@ -117,6 +119,10 @@ class SidecarClient(ClientOps):
         """How many leading full pages of `tokens` are cached, and in which tiers (no side effects)."""
         return self._drive(self._lookup(tokens))
 
+    def lookup_names(self, names: Sequence[str]) -> Lookup:
+        """How many leading pages of `names` (an engine's own page names) are cached (no side effects)."""
+        return self._drive(self._lookup(None, names))
+
     def put(self, tokens: Sequence[int], pages: torch.Tensor, start_page: int = 0) -> list[bytes]:
         """Store pages start_page.. of `tokens` (pages: [n, *spec.page_shape]); returns their keys.
         Page start_page - 1 must be cached already. Raises NotStored when only the first pages
@@ -130,10 +136,11 @@ class SidecarClient(ClientOps):
         return self._drive(self._get(tokens, max_pages, out))
 
     def get_slots(self, tokens: Sequence[int] | None = None, max_pages: int | None = None, *,
-                  keys: Sequence[bytes] | None = None, start_page: int = 0) -> Lease:
+                  keys: Sequence[bytes] | None = None, start_page: int = 0,
+                  names: Sequence[str] | None = None) -> Lease:
         """Lease the warm slots holding the cached prefix (zero copy: read them with view(slot)),
-        until release(lease.slots)."""
-        return self._drive(self._get_slots(tokens, max_pages, keys, start_page))
+        until release(lease.slots); of the leading cached pages of `keys` or `names` when given."""
+        return self._drive(self._get_slots(tokens, max_pages, keys, start_page, names))
 
     def alloc(self, n: int, wait_s: float | None = None) -> list[int]:
         """n warm slots for this client to fill in place (view(slot)), then put_slots() or release().
@@ -145,6 +152,10 @@ class SidecarClient(ClientOps):
     def put_slots(self, tokens: Sequence[int], slots: Sequence[int], start_page: int = 0) -> list[bytes]:
         """Store the pages written into slots from alloc() as pages start_page.. of `tokens`."""
         return self._drive(self._put_slots(tokens, slots, start_page))
+
+    def put_named(self, names: Sequence[str], slots: Sequence[int]) -> list[bytes]:
+        """Store the pages written into slots from alloc(), slot i as the page called names[i]."""
+        return self._drive(self._put_named(names, slots))
 
     def release(self, slots: Sequence[int]) -> None:
         """End this client's leases on slots from get_slots(), or give back unused slots from alloc()."""
@@ -244,6 +255,9 @@ class AsyncSidecarClient(ClientOps):
     async def lookup(self, tokens: Sequence[int]) -> Lookup:
         return await self._drive(self._lookup(tokens))
 
+    async def lookup_names(self, names: Sequence[str]) -> Lookup:
+        return await self._drive(self._lookup(None, names))
+
     async def put(self, tokens: Sequence[int], pages: torch.Tensor, start_page: int = 0) -> list[bytes]:
         return await self._drive(self._put(tokens, pages, start_page), offload=True)
 
@@ -252,14 +266,18 @@ class AsyncSidecarClient(ClientOps):
         return await self._drive(self._get(tokens, max_pages, out), offload=True)
 
     async def get_slots(self, tokens: Sequence[int] | None = None, max_pages: int | None = None, *,
-                        keys: Sequence[bytes] | None = None, start_page: int = 0) -> Lease:
-        return await self._drive(self._get_slots(tokens, max_pages, keys, start_page))
+                        keys: Sequence[bytes] | None = None, start_page: int = 0,
+                        names: Sequence[str] | None = None) -> Lease:
+        return await self._drive(self._get_slots(tokens, max_pages, keys, start_page, names))
 
     async def alloc(self, n: int, wait_s: float | None = None) -> list[int]:
         return await self._drive(self._alloc(n, wait_s))
 
     async def put_slots(self, tokens: Sequence[int], slots: Sequence[int], start_page: int = 0) -> list[bytes]:
         return await self._drive(self._put_slots(tokens, slots, start_page))
+
+    async def put_named(self, names: Sequence[str], slots: Sequence[int]) -> list[bytes]:
+        return await self._drive(self._put_named(names, slots))
 
     async def release(self, slots: Sequence[int]) -> None:
         await self._drive(self._release(slots))

@@ -145,8 +145,9 @@ class ClientOps:
         return self._pages
 
     # ops
-    def _lookup(self, tokens: Sequence[int]) -> Op:
-        r = yield {"op": "lookup", "tokens": token_list(tokens)}
+    def _lookup(self, tokens: Sequence[int] | None, names: Sequence[str] | None = None) -> Op:
+        r = yield ({"op": "lookup", "names": list(names)} if names is not None
+                   else {"op": "lookup", "tokens": token_list(tokens)})
         return Lookup(r["pages"], r["tokens"], r["tiers"], [bytes.fromhex(k) for k in r["keys"]])
 
     def _put(self, tokens: Sequence[int], pages: torch.Tensor, start_page: int) -> Op:
@@ -187,9 +188,11 @@ class ClientOps:
         return keys
 
     def _get_slots(self, tokens: Sequence[int] | None, max_pages: int | None, keys: Sequence[bytes] | None,
-                   start_page: int) -> Op:
+                   start_page: int, names: Sequence[str] | None = None) -> Op:
         req: dict = {"op": "get", "start_page": start_page, "max_pages": max_pages}
-        if keys is not None:
+        if names is not None:
+            req["names"] = list(names)
+        elif keys is not None:
             req["keys"] = [k.hex() for k in keys]
         else:
             req["tokens"] = token_list(tokens)
@@ -242,6 +245,10 @@ class ClientOps:
     def _put_slots(self, tokens: Sequence[int], slots: Sequence[int], start_page: int) -> Op:
         r = yield {"op": "put", "tokens": token_list(tokens), "slots": [int(s) for s in slots],
                    "start_page": start_page}
+        return [bytes.fromhex(k) for k in r["keys"]]
+
+    def _put_named(self, names: Sequence[str], slots: Sequence[int]) -> Op:
+        r = yield {"op": "put", "names": list(names), "slots": [int(s) for s in slots]}
         return [bytes.fromhex(k) for k in r["keys"]]
 
     def _release(self, slots: Sequence[int]) -> Op:

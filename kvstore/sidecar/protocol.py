@@ -11,6 +11,7 @@ Keys travel as hex strings.
     lookup   {tokens}                             -> {pages, tokens, tiers, counts, keys}   no side effects
              but one: pages the remote tier holds beyond the cached prefix are brought into warm first
              (so does a get by tokens)
+    lookup   {names}                              -> the same for named pages: how many leading names are cached
     alloc    {n, partial, wait_s}                 -> {slots, short}   warm slots for this client to fill;
              waits (daemon.backpressure_timeout_s, or wait_s if shorter) while write-behind is
              behind; then with partial the slots that fit (maybe fewer, `short` says why),
@@ -18,8 +19,10 @@ Keys travel as hex strings.
     put      {tokens, slots, start_page}          -> {keys}    the filled slots become cached pages
     put      {tokens, pages: [bytes], start_page} -> {keys, not_stored}   fallback: the bytes come in
              the frame; the pages that fit are stored, not_stored {start_page, pages, why} names the rest
-    get      {tokens | keys, max_pages, start_page}  -> {keys, slots, cached}   leased warm slots of pages
-             start_page.. of the cached prefix (cached: its length in pages; with keys, len(keys))
+    put      {names, slots | pages}               -> the same for named pages (start_page 0): slot i
+             holds the page the engine calls names[i] (kvstore.keys: a name stands for its whole prefix)
+    get      {tokens | keys | names, max_pages, start_page}  -> {keys, slots, cached}   leased warm slots of
+             pages start_page.. of the cached prefix (cached: its length in pages; with keys or names, their number)
     get      {..., bytes: true}                   -> {keys, pages, cached}   fallback: bytes, no lease
     release  {slots}                              -> {}        ends leases (or frees unused alloc'd slots)
     stats                                         -> store.stats() and {"sidecar": ...}
@@ -38,7 +41,7 @@ from typing import Any
 import msgpack
 
 from kvstore.errors import KVStoreError
-from kvstore.keys import KEY_BYTES
+from kvstore.keys import KEY_BYTES, NAME_MAX
 from kvstore.spec import KVSpec
 
 HEADER = struct.Struct(">I")
@@ -169,6 +172,13 @@ def get_ints(req: dict, name: str, below: int, what: str) -> list[int]:
 
 def get_tokens(req: dict) -> list[int]:
     return get_ints(req, "tokens", MAX_TOKEN, "token ids (integers in 0..2^31-1)")
+
+
+def get_names(req: dict) -> list[str]:
+    values = get_field(req, "names", list, what="a list of page names")
+    if not all(isinstance(v, str) and 0 < len(v) <= NAME_MAX for v in values):
+        raise ProtocolError(f"{req['op']}: field \"names\" must be a list of strings of 1..{NAME_MAX} characters")
+    return values
 
 
 def get_keys(req: dict) -> list[bytes]:

@@ -36,9 +36,9 @@ import numpy as np
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, named_key
 from kvstore.sidecar.protocol import (SPEC_FIELDS, ProtocolError, decode_request, encode_frame, error_frame, get_count,
-                              get_field, get_ints, get_keys, get_tokens, one_line, read_frame, spec_fields)
+                              get_field, get_ints, get_keys, get_names, get_tokens, one_line, read_frame, spec_fields)
 from kvstore.sidecar.session import Session
 from kvstore.spec import KVSpec
 from kvstore.store import TieredStore
@@ -258,12 +258,25 @@ class SidecarServer:
                 "spec": spec_fields(self.spec)}
 
     async def lookup(self, s: Session, req: dict) -> dict:
+        if "names" in req:
+            return await self.daemon.run(self._lookup_named, s.namespace, get_names(req))
         tokens = get_tokens(req)
         if self.store.remote is not None:   # the pages beyond the cached prefix that the remote tier holds, to warm
             await self.daemon.run(self.store.fetch_remote, tokens, s.namespace)
         m = await self.daemon.run(self.store.match, tokens, s.namespace)
         return {"pages": m.num_pages, "tokens": m.num_tokens, "tiers": m.tiers, "counts": m.counts(),
                 "keys": [k.hex() for k in m.keys]}
+
+    def _lookup_named(self, namespace: Namespace, names: list[str]) -> dict:
+        keys, tiers = [], []
+        for key, where in self.store.residency([named_key(namespace, n) for n in names]).items():
+            if where is None or where[1] != namespace.digest:
+                break
+            keys.append(key)
+            tiers.append(where[0])
+        counts = {t: tiers.count(t) for t in dict.fromkeys(tiers)}
+        return {"pages": len(keys), "tokens": len(keys) * self.spec.page_size, "tiers": tiers, "counts": counts,
+                "keys": [k.hex() for k in keys]}
 
     async def alloc(self, s: Session, req: dict) -> dict:
         n = get_count(req, "n", low=1)
@@ -288,8 +301,11 @@ class SidecarServer:
             return slots, self.store.warm_shortage(n)
 
     async def put(self, s: Session, req: dict) -> dict:
-        tokens = get_tokens(req)
+        names = get_names(req) if "names" in req else None
+        tokens = get_tokens(req) if names is None else []
         start = get_count(req, "start_page", 0)
+        if names is not None and start:
+            raise ProtocolError("put: named pages take no \"start_page\"")
         inline = "pages" in req
         short = ""
         if inline:
@@ -301,13 +317,20 @@ class SidecarServer:
             if len(pages) > self.store.warm.num_slots:
                 raise KVStoreError(f"put: {len(pages)} pages sent, the warm tier has {self.store.warm.num_slots} "
                                    "slots (send fewer a frame)")
+            _check_names(names, len(pages))
             slots, short = await self.daemon.run(self._write_pages, pages)
             s.allocated.update(slots)  # until committed: freed with the session if the request is cut
         else:
             slots = get_ints(req, "slots", self.store.warm.num_slots, "warm slot numbers")
+            _check_names(names, len(slots))
             s.check_allocated(slots)
         try:
-            keys = await self.daemon.run(self.store.commit_warm, s.namespace, tokens, slots, start) if slots else []
+            if not slots:
+                keys = []
+            elif names is not None:
+                keys = await self.daemon.run(self.store.commit_warm_named, s.namespace, names[:len(slots)], slots)
+            else:
+                keys = await self.daemon.run(self.store.commit_warm, s.namespace, tokens, slots, start)
         except KVStoreError:
             if inline:  # the client never saw these slots
                 s.allocated.difference_update(slots)
@@ -331,6 +354,8 @@ class SidecarServer:
         limit = get_count(req, "max_pages", None, low=1)
         inline = get_field(req, "bytes", bool, False, "true or false")
         keys = get_keys(req) if "keys" in req else None
+        if keys is None and "names" in req:
+            keys = [named_key(s.namespace, n) for n in get_names(req)]
         tokens = get_tokens(req) if keys is None else None
         if inline:
             if not self.frame_pages:
@@ -378,6 +403,11 @@ class SidecarServer:
 
     async def ping(self, s: Session, req: dict) -> dict:
         return {}
+
+
+def _check_names(names: list[str] | None, pages: int) -> None:
+    if names is not None and len(names) != pages:
+        raise KVStoreError(f"put: {len(names)} names for {pages} pages")
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:
