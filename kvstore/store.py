@@ -47,7 +47,7 @@ from kvstore.datadir import DataDir
 from kvstore.errors import KVStoreError, OutOfCapacity
 from kvstore.handle import CacheHandle
 from kvstore.index import TIERS, PageEntry, PageIndex
-from kvstore.keys import Namespace, page_keys, tokens_bytes
+from kvstore.keys import Namespace, name_tokens, named_key, page_keys, tokens_bytes
 from kvstore import record
 from kvstore.maintenance import TierMaintenance
 from kvstore.move_stats import MoveStats
@@ -476,6 +476,19 @@ class TieredStore(WarmSharing, TierMaintenance):
                                   lambda chunk: self.import_records(chunk, "remote", self.remote.count_corrupt),
                                   None if known is None else known - local)
         return local, added
+
+    def fetch_remote_named(self, names: Sequence[str], namespace: Namespace) -> int:
+        """fetch_remote for named pages (kvstore.keys): the leading pages of `names` not cached here that
+        the remote tier holds, into warm. Returns the pages added."""
+        keys = [named_key(namespace, n) for n in names]
+        with self._lock:
+            local = next((i for i, k in enumerate(keys) if k not in self.index), len(keys))
+        if self.remote is None or local == len(keys):
+            return 0
+        return self.remote.fetch(namespace.digest, keys[local:], [name_tokens(n) for n in names[local:]],
+                                 namespace.digest, lambda chunk: self.import_records(chunk, "remote",
+                                                                                     self.remote.count_corrupt),
+                                 roots=True)
 
     # operator controls
     def pin(self, keys: Iterable[bytes], ttl_s: float | None = None) -> int:

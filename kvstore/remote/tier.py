@@ -134,13 +134,15 @@ class RemoteTier:
 
     # reads
     def fetch(self, namespace: bytes, keys: Sequence[bytes], tokens: Sequence[bytes], parent: bytes,
-              admit: Callable[[list[tuple[RecordHeader, memoryview]]], int], known: int | None = None) -> int:
+              admit: Callable[[list[tuple[RecordHeader, memoryview]]], int], known: int | None = None,
+              roots: bool = False) -> int:
         """Read the leading pages of this chain that the remote store holds and hand them, verified, to
         admit(chunk) a chunk at a time (READ_CHUNK pages; it returns how many it stored, and its
         payloads are valid only during the call); returns the pages admitted. keys[i] is the page
         whose tokens are tokens[i], parent the key before keys[0] (the namespace digest for page 0).
-        `known`: how many the prefix index says it holds (None: read until a page is missing). The
-        next chunk is read while one is admitted. Blocks for network round trips: for worker threads. Never raises:
+        `known`: how many the prefix index says it holds (None: read until a page is missing). With
+        `roots` every page's parent is `parent` (named pages: kvstore.keys). The next chunk is read
+        while one is admitted. Blocks for network round trips: for worker threads. Never raises:
         failures are misses."""
         names = [self.key(namespace, k) for k in keys]
         total, pending = 0, None
@@ -160,7 +162,7 @@ class RemoteTier:
                     if page is None:
                         break
                     good.append(page)
-                    parent = keys[j]
+                    parent = parent if roots else keys[j]
                 stored = admit(good) if good else 0
                 total += stored
                 if stored < len(values):

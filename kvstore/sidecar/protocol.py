@@ -12,6 +12,7 @@ Keys travel as hex strings.
              but one: pages the remote tier holds beyond the cached prefix are brought into warm first
              (so does a get by tokens)
     lookup   {names}                              -> the same for named pages: how many leading names are cached
+             (here too, and in a get by names, the remote tier's pages come to warm first)
     alloc    {n, partial, wait_s}                 -> {slots, short}   warm slots for this client to fill;
              waits (daemon.backpressure_timeout_s, or wait_s if shorter) while write-behind is
              behind; then with partial the slots that fit (maybe fewer, `short` says why),

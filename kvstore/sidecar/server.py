@@ -259,7 +259,10 @@ class SidecarServer:
 
     async def lookup(self, s: Session, req: dict) -> dict:
         if "names" in req:
-            return await self.daemon.run(self._lookup_named, s.namespace, get_names(req))
+            names = get_names(req)
+            if self.store.remote is not None:   # the named pages the remote tier holds, to warm
+                await self.daemon.run(self.store.fetch_remote_named, names, s.namespace)
+            return await self.daemon.run(self._lookup_named, s.namespace, names)
         tokens = get_tokens(req)
         if self.store.remote is not None:   # the pages beyond the cached prefix that the remote tier holds, to warm
             await self.daemon.run(self.store.fetch_remote, tokens, s.namespace)
@@ -354,8 +357,9 @@ class SidecarServer:
         limit = get_count(req, "max_pages", None, low=1)
         inline = get_field(req, "bytes", bool, False, "true or false")
         keys = get_keys(req) if "keys" in req else None
-        if keys is None and "names" in req:
-            keys = [named_key(s.namespace, n) for n in get_names(req)]
+        names = get_names(req) if keys is None and "names" in req else None
+        if names is not None:
+            keys = [named_key(s.namespace, n) for n in names]
         tokens = get_tokens(req) if keys is None else None
         if inline:
             if not self.frame_pages:
@@ -366,6 +370,8 @@ class SidecarServer:
         def lease() -> tuple[list[bytes], list[int], int]:
             if keys is None and self.store.remote is not None:
                 self.store.fetch_remote(tokens, s.namespace)   # what the remote tier holds beyond the cache
+            elif names is not None and self.store.remote is not None:
+                self.store.fetch_remote_named(names, s.namespace)
             chain = keys if keys is not None else self.store.match(tokens, s.namespace).keys
             want = chain[start:start + limit] if limit else chain[start:]
             slots = self.store.lease_warm(want, s.namespace)

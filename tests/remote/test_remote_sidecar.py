@@ -42,3 +42,33 @@ def test_a_fresh_sidecar_serves_what_another_put_from_the_remote_tier(tmp_path):
             if sc is not None:
                 assert sc.stop() == 0
         server.stop()
+
+
+def test_named_pages_come_from_the_remote_tier_too(tmp_path):
+    """Pages an engine names itself (SGLang's HiCache page hashes): a fresh sidecar finds them by name."""
+    server = RedisServer(tmp_path / "redis")
+    remote = {"remote.url": server.url, "remote.key_prefix": "sc:"}
+    names = [f"{i:064x}" for i in range(100, 100 + PAGES)]
+    pages = pages_for(2, PAGES)
+    a = b = None
+    try:
+        a = SidecarProcess(tmp_path / "a", Path(tempfile.mkdtemp(prefix="kvs-a")), **remote)
+        with a.client(layout="engine-pages-v1") as kv:
+            slots = kv.alloc(PAGES)
+            for slot, page in zip(slots, pages):
+                kv.view(slot).copy_(page)
+            kv.put_named(names, slots)
+            _stats_until(kv, lambda s: s["tiers"]["remote"]["written_pages"] >= PAGES, timeout=15.0)
+        b = SidecarProcess(tmp_path / "b", Path(tempfile.mkdtemp(prefix="kvs-b")), **remote)
+        with b.client(layout="engine-pages-v1") as kv, b.client(layout="engine-pages-v2") as other:
+            assert other.lookup_names(names).pages == 0
+            assert kv.lookup_names(names).pages == PAGES
+            lease = kv.get_slots(names=names)
+            assert all(torch.equal(kv.view(s), pages[i]) for i, s in enumerate(lease.slots))
+            kv.release(lease.slots)
+            assert kv.stats()["tiers"]["remote"]["hits"] == PAGES
+    finally:
+        for sc in (a, b):
+            if sc is not None:
+                assert sc.stop() == 0
+        server.stop()
