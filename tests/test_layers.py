@@ -76,6 +76,14 @@ def test_plugins_depend_on_the_store_alone():
     assert not wrong, wrong
 
 
+def test_no_layer_imports_another_inference_engine():
+    """vLLM and SGLang plug into kvstore (plugins/), never the other way round (app's benchmarks run
+    vLLM as the baseline they measure against)."""
+    wrong = [f"{name} imports {i}" for package in ("kvstore", "engine") for name, file in modules(REPO, package).items()
+             for i in imports(file, name) if i.split(".")[0] in ("vllm", "sglang", "kvstore_vllm", "kvstore_sglang")]
+    assert not wrong, wrong
+
+
 def test_no_import_cycles():
     deps = graph()
     state: dict[str, int] = {}      # 1: on the current path, 2: done
