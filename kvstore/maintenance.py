@@ -2,6 +2,7 @@
 
 - operators: `evict(keys, to)` and `flush(tier)` move pages down (out of the store, for cold);
   a page with no cold copy is written first (by the Daemon's writer, which this waits for);
+  `clear_namespace(digest)` takes a namespace's pages out of the store, but those in use now;
 - the Daemon's periodic work: `rebalance` brings each memory tier above its high watermark down
   to its low watermark at memory speed (pages that are dirty wait in the write-behind queue),
   trims the cold tier to its low watermark (the whole excess) and the prefix index to
@@ -21,7 +22,7 @@ from kvstore.index import TIERS, PageEntry
 
 
 class TierMaintenance:
-    """evict, flush, rebalance: see the module docstring."""
+    """evict, clear_namespace, flush, rebalance: see the module docstring."""
 
     def evict(self, keys: Iterable[bytes], to: str | None = None) -> int:
         """Move pages down: out of hot (to="warm"), out of hot and warm (to="cold"), or out of the
@@ -33,6 +34,18 @@ class TierMaintenance:
         with self._lock:
             entries = sorted((e for e in map(self.index.get, keys) if e is not None), key=lambda e: -e.depth)
         return self._evict(entries, leave, out=to is None)
+
+    def clear_namespace(self, namespace: bytes) -> tuple[int, int]:
+        """Every page of a namespace (its digest) out of the store, but those in use now (referenced,
+        leased or pinned: their copies all stay). Returns (pages removed, pages kept)."""
+        with self._lock:
+            now = self.index.now()
+            mine = [e for e in self.index.entries.values() if e.namespace == namespace]
+            idle = [e.key for e in mine if not (e.refcount or e.leases or e.pinned(now))]
+        self.evict(idle, None)
+        with self._lock:
+            kept = sum(1 for e in mine if e.key in self.index)
+        return len(mine) - kept, kept
 
     def flush(self, tier: str) -> int:
         """Move every page that may leave `tier` one tier down (out of the store, for cold)."""

@@ -161,6 +161,11 @@ class SidecarClient(ClientOps):
         """End this client's leases on slots from get_slots(), or give back unused slots from alloc()."""
         self._drive(self._release(slots))
 
+    def clear(self) -> dict:
+        """Remove every page of this client's namespace (model, tenant, salt, layout) from the store:
+        {"pages": removed, "kept": leased or pinned now, so kept}."""
+        return self._drive(self._clear())
+
     def stats(self) -> dict:
         return self._drive(self._stats())
 
@@ -281,6 +286,9 @@ class AsyncSidecarClient(ClientOps):
 
     async def release(self, slots: Sequence[int]) -> None:
         await self._drive(self._release(slots))
+
+    async def clear(self) -> dict:
+        return await self._drive(self._clear())
 
     async def stats(self) -> dict:
         return await self._drive(self._stats())

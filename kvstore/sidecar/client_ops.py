@@ -254,6 +254,10 @@ class ClientOps:
     def _release(self, slots: Sequence[int]) -> Op:
         yield {"op": "release", "slots": [int(s) for s in slots]}
 
+    def _clear(self) -> Op:
+        r = yield {"op": "clear"}
+        return {"pages": r["pages"], "kept": r["kept"]}
+
     def _stats(self) -> Op:
         r = yield {"op": "stats"}
         return {k: v for k, v in r.items() if k not in ("id", "ok")}

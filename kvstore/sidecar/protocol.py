@@ -26,6 +26,8 @@ Keys travel as hex strings.
              pages start_page.. of the cached prefix (cached: its length in pages; with keys or names, their number)
     get      {..., bytes: true}                   -> {keys, pages, cached}   fallback: bytes, no lease
     release  {slots}                              -> {}        ends leases (or frees unused alloc'd slots)
+    clear                                         -> {pages, kept}   every page of this connection's namespace
+             leaves the store (hot, warm and cold; pages leased or pinned now are kept, and counted)
     stats                                         -> store.stats() and {"sidecar": ...}
     ping                                          -> {}
 

@@ -76,7 +76,7 @@ class SidecarServer:
         # an op answers the fields of its reply, or the whole reply frame it encoded itself
         self.ops: dict[str, Callable[[Session, dict], Awaitable[dict | bytes]]] = {
             "hello": self.hello, "lookup": self.lookup, "alloc": self.alloc, "put": self.put, "get": self.get,
-            "release": self.release, "stats": self.stats, "ping": self.ping}
+            "release": self.release, "clear": self.clear, "stats": self.stats, "ping": self.ping}
 
     # lifecycle
     async def start(self) -> None:
@@ -398,6 +398,11 @@ class SidecarServer:
         await self.daemon.run(self.store.release_warm, slots)
         s.forget(wanted)
         return {}
+
+    async def clear(self, s: Session, req: dict) -> dict:
+        pages, kept = await self.daemon.run(self.store.clear_namespace, s.namespace.digest)
+        log.info("client %s: clear: %d pages of its namespace removed, %d in use kept", s.name, pages, kept)
+        return {"pages": pages, "kept": kept}
 
     async def stats(self, s: Session, req: dict) -> dict:
         out = await self.daemon.run(self.store.stats)

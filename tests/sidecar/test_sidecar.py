@@ -274,6 +274,19 @@ def test_named_pages(spawn):
         finally:
             s.close()
         assert kv.lookup_names(names).pages == 5
+    with sc.client(layout="engine-pages-v1") as kv, sc.client(layout="engine-pages-v2") as other:
+        kept = other.alloc(1)
+        other.view(kept[0]).copy_(pages[0])
+        other.put_named(names[:1], kept)
+        lease = kv.get_slots(names=names[:1])
+        assert kv.clear() == {"pages": 4, "kept": 1}      # the leased page stays
+        kv.release(lease.slots)
+        assert kv.clear() == {"pages": 1, "kept": 0}
+        assert kv.lookup_names(names).pages == 0 and other.lookup_names(names).pages == 1   # only its namespace
+    assert sc.stop() == 0
+    sc = spawn()
+    with sc.client(layout="engine-pages-v1") as kv:
+        assert kv.lookup_names(names).pages == 0          # gone from cold too
     assert sc.stop() == 0
 
 

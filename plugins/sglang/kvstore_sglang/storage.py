@@ -236,9 +236,13 @@ class KVStoreStorage(HiCacheStorage):
 
     # the rest of the interface
     def clear(self) -> bool:
-        log.warning("kvstore: clear is not supported through the sidecar: its pages stay (they age out by "
-                    "its eviction policy; drop them through its admin API or data directory)")
-        return False
+        """Remove this rank's pages (its namespace) from the sidecar: all tiers; True when none is left
+        (a page another engine is reading at this moment stays)."""
+        result = self._call(lambda kv: kv.clear(), None)
+        if result is None:
+            return False
+        log.info("kvstore: clear: %d pages removed, %d in use kept", result["pages"], result["kept"])
+        return result["kept"] == 0
 
     def get_stats(self):
         return None   # SGLang then reports its own counts; the sidecar's are on its admin API (/v1/stats, /metrics)
@@ -248,7 +252,7 @@ class KVStoreStorage(HiCacheStorage):
             self.conns.close()
 
     # moving pages
-    def _call(self, fn: Callable[[SidecarClient], int], default: int) -> int:
+    def _call(self, fn: Callable[[SidecarClient], Any], default: Any) -> Any:
         """fn(client), or `default` when the sidecar is down, lost or refuses (logged, with a backoff)."""
         conns = self.conns
         if conns is None:

@@ -82,6 +82,17 @@ def test_other_models_and_ranks_find_nothing(sidecar, controllers):
         rank1.close()
 
 
+def test_clear_removes_this_ranks_pages_only(sidecar, controllers):
+    a, b = make(controllers, sidecar, model="model-a"), make(controllers, sidecar, model="model-b")
+    tokens = doc(12, 6)
+    for c in (a, b):
+        c.fill(tokens, seed=12)
+        assert c.backup(tokens) == len(tokens)
+    assert a.storage.clear() is True
+    assert make(controllers, sidecar, model="model-a").prefetch(tokens) == 0
+    assert make(controllers, sidecar, model="model-b").prefetch(tokens) == len(tokens)
+
+
 def test_after_a_sidecar_restart_the_prefetch_hits_from_cold(sidecar, controllers):
     a = make(controllers, sidecar)
     tokens = doc(5, 24)
