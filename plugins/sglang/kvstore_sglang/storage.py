@@ -156,7 +156,10 @@ class KVStoreStorage(HiCacheStorage):
         self.writer = storage_config.is_storage_writer
         self.pages: PageMap | None = None
         self.conns: Connections | None = None
-        self.counts = {"get_pages": 0, "get_hits": 0, "set_pages": 0, "set_stored": 0}
+        self.metrics = storage_config.enable_storage_metrics   # SGLang's --enable-cache-report: get_stats
+        self.metrics_lock = threading.Lock()
+        self.recent: dict[str, list] = {"prefetch_pgs": [], "prefetch_bandwidth": [], "backup_pgs": [],
+                                        "backup_bandwidth": []}
 
     # setup: the host pool tells the geometry
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -193,18 +196,18 @@ class KVStoreStorage(HiCacheStorage):
         return self._call(lambda kv: kv.lookup_names(keys).pages, 0)
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info=None) -> List[bool]:
-        starts = self._page_starts(host_indices, len(keys))
+        starts, started = self._page_starts(host_indices, len(keys)), time.perf_counter()
         got = self._call(lambda kv: self._read(kv, keys, lambda i, n: self.pages.host_pages(starts[i], n),
                                                runs_of=starts), 0)
-        return self._outcome("get", len(keys), got)
+        return self._outcome("prefetch", len(keys), got, started)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info=None) -> List[bool]:
         if not self.writer:
             return [True] * len(keys)
-        starts = self._page_starts(host_indices, len(keys))
+        starts, started = self._page_starts(host_indices, len(keys)), time.perf_counter()
         stored = self._call(lambda kv: self._write(kv, keys, lambda i, n: self.pages.host_pages(starts[i], n),
                                                    runs_of=starts), 0)
-        return self._outcome("set", len(keys), stored)
+        return self._outcome("backup", len(keys), stored, started)
 
     # legacy: SGLang's flat pages
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
@@ -213,9 +216,10 @@ class KVStoreStorage(HiCacheStorage):
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None):
         if target_locations is None or len(target_locations) != len(keys):
             raise ValueError("kvstore: batch_get needs one target page (get_dummy_flat_data_page) per key")
+        started = time.perf_counter()
         got = self._call(lambda kv: self._read(kv, keys, lambda i, n: self.pages.from_flat(target_locations[i])[None]),
                          0)
-        self._outcome("get", len(keys), got)
+        self._outcome("prefetch", len(keys), got, started)
         return [t if i < got else None for i, t in enumerate(target_locations)]
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
@@ -228,8 +232,9 @@ class KVStoreStorage(HiCacheStorage):
             raise ValueError("kvstore: batch_set needs one page (get_data_page) per key")
         if not self.writer:
             return True
+        started = time.perf_counter()
         stored = self._call(lambda kv: self._write(kv, keys, lambda i, n: self.pages.from_flat(values[i])[None]), 0)
-        return all(self._outcome("set", len(keys), stored))
+        return all(self._outcome("backup", len(keys), stored, started))
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -245,7 +250,17 @@ class KVStoreStorage(HiCacheStorage):
         return result["kept"] == 0
 
     def get_stats(self):
-        return None   # SGLang then reports its own counts; the sidecar's are on its admin API (/v1/stats, /metrics)
+        """SGLang's StorageMetrics since the last call (pages and GB/s of each prefetch and backup call), with
+        storage metrics on; else None. The sidecar's own counts are on its admin API (/v1/stats, /metrics)."""
+        if not self.metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self.metrics_lock:
+            recent = {k: v[:] for k, v in self.recent.items()}
+            for v in self.recent.values():
+                v.clear()
+        return StorageMetrics(**recent)
 
     def close(self) -> None:
         if self.conns is not None:
@@ -324,7 +339,11 @@ class KVStoreStorage(HiCacheStorage):
             raise ValueError(f"kvstore: {host_indices.numel()} host indices for {n} pages of {ps} tokens")
         return host_indices[::ps].tolist()
 
-    def _outcome(self, op: str, asked: int, done: int) -> List[bool]:
-        self.counts[f"{op}_pages"] += asked
-        self.counts["get_hits" if op == "get" else "set_stored"] += done
+    def _outcome(self, op: str, asked: int, done: int, started: float) -> List[bool]:
+        """SGLang's answer for a call that moved `done` of `asked` pages; recorded for get_stats."""
+        if self.metrics and done:
+            seconds = max(time.perf_counter() - started, 1e-9)
+            with self.metrics_lock:
+                self.recent[f"{op}_pgs"].append(done)
+                self.recent[f"{op}_bandwidth"].append(done * self.pages.spec.page_bytes / seconds / 1e9)
         return [True] * done + [False] * (asked - done)

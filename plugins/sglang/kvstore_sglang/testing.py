@@ -59,7 +59,8 @@ class Controller:
     """SGLang's HiCacheController over a device KV pool and a host pool (on the CPU)."""
 
     def __init__(self, backend: str, extra_config: dict | None = None, layout: str = "layer_first",
-                 model: str = "tiny-sglang", host_tokens: int = 8192, mla: bool = False, **geometry):
+                 model: str = "tiny-sglang", host_tokens: int = 8192, mla: bool = False, metrics: bool = False,
+                 **geometry):
         """An MHA pool of GEOMETRY (overridden by `geometry`), or with `mla` an MLA pool of MLA_ROW."""
         from sglang.srt.managers.cache_controller import HiCacheController
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -84,7 +85,7 @@ class Controller:
         self.host = host_cls(kv.get_device_pool_infos()[0].buffer_info, host_tokens / device_tokens, 0, ps, layout,
                              pin_memory=False, device_capacity_tokens=device_tokens, **layers, **more)
         self.ctl = HiCacheController(allocator, self.host, ps, group, threading.Event(), io_backend="direct",
-                                     storage_backend=backend, model_name=model,
+                                     storage_backend=backend, model_name=model, enable_storage_metrics=metrics,
                                      storage_backend_extra_config=dict(extra_config or {}))
         self.storage = self.ctl.storage_backend
         self.where: dict[tuple, torch.Tensor] = {}   # tokens -> host indices of their pages here

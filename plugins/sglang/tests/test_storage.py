@@ -82,6 +82,22 @@ def test_other_models_and_ranks_find_nothing(sidecar, controllers):
         rank1.close()
 
 
+def test_storage_metrics(sidecar, controllers):
+    a = make(controllers, sidecar)
+    assert a.storage.get_stats() is None                 # metrics off: SGLang reports its own counts
+    a = make(controllers, sidecar, metrics=True)
+    tokens = doc(13, 6)
+    a.fill(tokens, seed=13)
+    assert a.backup(tokens) == len(tokens)
+    assert make(controllers, sidecar).prefetch(tokens) == len(tokens)
+    b = make(controllers, sidecar, "page_first", metrics=True)
+    assert b.prefetch(tokens) == len(tokens)
+    got, again = a.storage.get_stats(), b.storage.get_stats()
+    assert got.backup_pgs == [6] and got.backup_bandwidth[0] > 0 and got.prefetch_pgs == []
+    assert again.prefetch_pgs == [6] and again.prefetch_bandwidth[0] > 0
+    assert b.storage.get_stats().prefetch_pgs == []      # since the last call
+
+
 def test_clear_removes_this_ranks_pages_only(sidecar, controllers):
     a, b = make(controllers, sidecar, model="model-a"), make(controllers, sidecar, model="model-b")
     tokens = doc(12, 6)
