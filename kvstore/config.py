@@ -204,6 +204,7 @@ class SidecarConfig:
     lease_s: float = opt(30.0, _float, "seconds > 0: a client's pins expire this long after it goes quiet",
                          lambda v: v > 0)
     max_frame_bytes: int = opt("64MiB", parse_size, "a byte size >= 1KiB", lambda v: v >= 1024)
+    tp_size: int = opt(1, _int, "an integer >= 1: the client engine's tensor-parallel size", lambda v: v >= 1)
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,10 @@ from kvstore.datadir import make_private_dirs
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.sidecar.protocol import one_line
 from kvstore.sidecar.server import BYTES_FRAME_BYTES, SidecarServer
+from kvstore.spec import KVSpec
 from kvstore.store import INDEX_WAIT_S, TieredStore
 from kvstore.tiers.buffers import keep_write_buffers
+from kvstore.tiers.device import resolve_device
 
 log = logging.getLogger("kvstore.sidecar")
 
@@ -83,6 +85,17 @@ def sidecar_config(args: argparse.Namespace) -> Config:
             args.set = [*args.set, f"{key}={value}"]
     args.set = [*args.set, "warm.shared_memory=true"]
     return config_from_args(args)
+
+
+def sidecar_spec(config: Config) -> KVSpec:
+    """The geometry of the sidecar's pages: the model's, or one tensor-parallel rank's (sidecar.tp_size)."""
+    spec = config.kv_spec(resolve_device(config.hot.device).type)
+    tp, heads = config.sidecar.tp_size, spec.num_kv_heads
+    if tp == 1:
+        return spec
+    if (tp <= heads and heads % tp) or (tp > heads and tp % heads):
+        raise ConfigError("sidecar.tp_size", tp, f"must divide the model's {heads} KV heads, or be a multiple of them")
+    return KVSpec(spec.num_layers, max(1, heads // tp), spec.head_dim, spec.dtype, spec.page_size)
 
 
 def claim_socket(path: Path) -> None:
@@ -155,8 +168,9 @@ def run(args: argparse.Namespace) -> int:
     config = sidecar_config(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = config.sidecar_socket.absolute()
+    spec = sidecar_spec(config)
     claim_socket(path)
-    store = TieredStore(config)
+    store = TieredStore(config, spec=spec)
     store.wait_indexed(INDEX_WAIT_S)   # a small cold tier is indexed before the first client; a large one meanwhile
     code = 1
     try:

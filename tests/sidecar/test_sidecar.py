@@ -395,6 +395,23 @@ HELLO = {"op": "hello", "id": 1, "model": MODEL,
          "spec": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32", "page_size": 16}}
 
 
+def test_tp_size_makes_the_pages_one_ranks_shard(spawn, tmp_path):
+    sc = spawn(**{"sidecar.tp_size": 2})
+    rank = KVSpec(SPEC.num_layers, SPEC.num_kv_heads // 2, SPEC.head_dim, SPEC.dtype, SPEC.page_size)
+    with SidecarClient(sc.socket, rank, MODEL) as kv:
+        assert kv.info["page_bytes"] == rank.page_bytes
+        kv.put(tokens_for(80, 2), torch.randn((2, *rank.page_shape)))
+        assert kv.lookup(tokens_for(80, 2)).pages == 2
+    with pytest.raises(SidecarError, match=r"num_kv_heads 2 \(sidecar: 1\)"):
+        sc.client()
+    assert sc.stop() == 0
+    done = subprocess.run([sys.executable, "-m", "kvstore", "sidecar", "--data-dir", str(tmp_path / "bad"),
+                           "--set", "model=tiny", "--set", "sidecar.tp_size=3"], capture_output=True, text=True,
+                          env=clean_env(), cwd=REPO, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "sidecar.tp_size" in done.stderr and "must divide the model's 2 KV heads" in done.stderr
+
+
 def test_hello_checks_the_spec_and_comes_first(sidecar):
     with pytest.raises(SidecarError, match=r"spec differs.*num_layers 3 \(sidecar: 2\).*dtype 'bfloat16'"):
         SidecarClient(sidecar.socket, SPEC.replace(num_layers=3, dtype="bf16"), MODEL)
