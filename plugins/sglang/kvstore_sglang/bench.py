@@ -44,6 +44,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def significant(x: float) -> float:
+    """x to 4 significant digits (a tiny run's GB/s is not rounded to 0)."""
+    return float(f"{x:.4g}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -115,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             "geometry": {**{k: v for k, v in geometry.items() if k != "dtype"}, "dtype": "bfloat16",
                          "layout": args.layout, "page_bytes": page_bytes},
             "pages_per_document": args.pages, "rounds": args.rounds, "exact": exact,
-            "backup_gbps": {n: round(g["backup"], 3) for n, g in gbps.items()},
-            "prefetch_gbps": {n: round(g["prefetch"], 3) for n, g in gbps.items()},
+            "backup_gbps": {n: significant(g["backup"]) for n, g in gbps.items()},
+            "prefetch_gbps": {n: significant(g["prefetch"]) for n, g in gbps.items()},
             "ratio_kvstore_over_file": {op: round(gbps["kvstore"][op] / gbps["file"][op], 2)
                                         for op in ("backup", "prefetch")},
-            "kvstore_cold_prefetch_gbps": round(doc_bytes / statistics.median(cold_s) / 1e9, 3),
+            "kvstore_cold_prefetch_gbps": significant(doc_bytes / statistics.median(cold_s) / 1e9),
             "seconds": {n: {op: [round(x, 4) for x in t] for op, t in ops.items()} for n, ops in times.items()},
         }
         print(json.dumps(result, indent=2))
