@@ -14,9 +14,9 @@ def test_report_of_kvstore_and_the_file_backend():
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert report["exact"] is True
-    for field in ("backup_gbps", "prefetch_gbps"):
+    for field in ("backup_gbps", "prefetch_gbps", "prefetch_again_gbps"):
         assert set(report[field]) == {"kvstore", "file"} and all(v > 0 for v in report[field].values())
-    assert set(report["ratio_kvstore_over_file"]) == {"backup", "prefetch"}
+    assert set(report["ratio_kvstore_over_file"]) == {"backup", "prefetch", "prefetch_again"}
     assert report["kvstore_cold_prefetch_gbps"] > 0
     assert all(len(t) == 2 for ops in report["seconds"].values() for t in ops.values())
 
