@@ -23,6 +23,18 @@ def doc(n: int, pages: int) -> list[int]:
     return [(n * 7919 + i * 31) % 30000 for i in range(pages * PS)]
 
 
+def rank_storage(sidecar, c: Controller, mla: bool, model: str) -> KVStoreStorage:
+    """The backend as rank 1 of a TP-2 split would build it, over controller c's host pool."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    config = HiCacheStorageConfig(tp_rank=1, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=False,
+                                  model_name=model, extra_config=kvstore_extra_config(sidecar.socket))
+    storage = KVStoreStorage(config, {})
+    storage.register_mem_pool_host(c.host)
+    return storage
+
+
 def make(controllers, sidecar, layout="layer_first", **kw) -> Controller:
     extra = kw.pop("extra", {})
     c = Controller("dynamic", kvstore_extra_config(sidecar.socket, **extra), layout=layout, **kw)
@@ -61,8 +73,6 @@ def test_legacy_interface_and_v1_share_pages(sidecar, controllers):
 
 
 def test_other_models_and_ranks_find_nothing(sidecar, controllers):
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
     a = make(controllers, sidecar, model="model-a")
     tokens = doc(4, 8)
     a.fill(tokens, seed=4)
@@ -70,11 +80,7 @@ def test_other_models_and_ranks_find_nothing(sidecar, controllers):
     assert make(controllers, sidecar, model="model-b").prefetch(tokens) == 0
     assert make(controllers, sidecar, model="model-a", extra={"tenant": "other"}).prefetch(tokens) == 0
     # the same model on rank 1 of a TP-2 split
-    config = HiCacheStorageConfig(tp_rank=1, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
-                                  model_name="model-a", extra_config=kvstore_extra_config(sidecar.socket))
-    rank1 = KVStoreStorage(config, {})
-    rank1.register_mem_pool_host(a.host)
+    rank1 = rank_storage(sidecar, a, mla=False, model="model-a")
     try:
         assert rank1.batch_exists(a.hashes(tokens)) == 0
         assert a.storage.batch_exists(a.hashes(tokens)) == 8
@@ -211,8 +217,6 @@ def test_bad_settings_are_one_line_errors(sidecar, controllers, workdir):
 
 
 def test_mla_pages_are_shared_by_the_tp_ranks_and_written_by_one(workdir, controllers):
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
     sc = Sidecar(workdir / "mla", workdir / "mla.sock", geometry=MLA_GEOMETRY)
     try:
         a = Controller("dynamic", kvstore_extra_config(sc.socket), layout="layer_first", mla=True)
@@ -227,11 +231,7 @@ def test_mla_pages_are_shared_by_the_tp_ranks_and_written_by_one(workdir, contro
             assert b.prefetch(tokens) == len(tokens), (layout, extra)
             assert torch.equal(b.pages(tokens), a.pages(tokens)), (layout, extra)
         # rank 1 of a TP-2 split reads rank 0's pages (MLA KV is the same on every rank) and writes none
-        config = HiCacheStorageConfig(tp_rank=1, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                      is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
-                                      model_name="tiny-sglang", extra_config=kvstore_extra_config(sc.socket))
-        rank1 = KVStoreStorage(config, {})
-        rank1.register_mem_pool_host(a.host)
+        rank1 = rank_storage(sc, a, mla=True, model="tiny-sglang")
         try:
             assert rank1.batch_exists(a.hashes(tokens)) == 12
             other = doc(11, 2)
