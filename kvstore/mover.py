@@ -257,22 +257,28 @@ class PageMover:
         stage, done = self.tiers[self.stage], 0
         for h in headers:
             if h.key not in self.index:
-                if h.parent != h.namespace and h.parent not in self.index:
-                    break
-                if not self.make_room(self.stage, 1):
+                if not self.parent_cached(h) or not self.make_room(self.stage, 1):
                     break
                 [slot] = stage.alloc(1)
                 if not source.read_into([h], stage, [slot]).result()[0]:
                     stage.evict([slot])
                     break
-                parent = self.index.get(h.parent)
-                e = self.index.add(PageEntry(h.key, h.parent, h.namespace, h.tokens,
-                                             depth=parent.depth + 1 if parent else 0))
-                self.index.place(e, self.stage, slot)
-                self.count("move", source.name, 1, self.stage)
-                self.emit("add", h.key, self.stage)
+                self.add_page(h, slot, source.name)
             done += 1
         return done
+
+    def parent_cached(self, h: RecordHeader) -> bool:
+        """Whether a new page's parent is cached (or it is a root), so it may join the index."""
+        return h.parent == h.namespace or h.parent in self.index
+
+    def add_page(self, h: RecordHeader, slot: int, source_name: str) -> None:
+        """Index a new page that lies in this warm slot, counted as moved from source_name."""
+        parent = self.index.get(h.parent)
+        e = self.index.add(PageEntry(h.key, h.parent, h.namespace, h.tokens,
+                                     depth=parent.depth + 1 if parent else 0))
+        self.index.place(e, self.stage, slot)
+        self.count("move", source_name, 1, self.stage)
+        self.emit("add", h.key, self.stage)
 
     # writes to cold
     def plan_write(self, entries: list[PageEntry]) -> WritePlan:

@@ -112,6 +112,25 @@ def copy_payload(record, header: RecordHeader, out: np.ndarray) -> None:
         raise RecordError("checksum mismatch")
 
 
+def head_size(header: RecordHeader) -> int:
+    """How many bytes of its record come before the page: the prefix and the packed header."""
+    return PREFIX_BYTES + len(header.pack())
+
+
+def check_landed(head, header: RecordHeader, payload) -> bool:
+    """Whether a record read in two parts, its first head_size(header) bytes into `head` and its page
+    into `payload`, is exactly the record of `header` (the one the reader expects: its key, parent,
+    namespace, tokens and geometry) and its checksum holds. The page is hashed where it landed."""
+    mv = memoryview(head).cast("B")
+    magic, checksum, hlen = _PREFIX.unpack_from(mv)
+    packed = header.pack()
+    if magic != MAGIC or hlen != len(packed) or mv[PREFIX_BYTES:] != packed or len(mv) != PREFIX_BYTES + hlen:
+        return False
+    h = xxhash.xxh3_128(mv[PREFIX_BYTES - 4:])
+    h.update(payload)
+    return h.digest() == checksum
+
+
 def decode(record) -> tuple[RecordHeader, memoryview]:
     """Verify magic, checksum and key derivation; return the header and a view of the payload."""
     mv = memoryview(record)

@@ -54,6 +54,7 @@ from kvstore.move_stats import MoveStats
 from kvstore.mover import PageMover
 from kvstore.record import RecordHeader
 from kvstore.remote import open_remote
+from kvstore.remote.landing import WarmLanding
 from kvstore.sharing import WarmSharing
 from kvstore.spec import KVSpec
 from kvstore.tiers.base import Tier
@@ -61,7 +62,7 @@ from kvstore.tiers.build import Layer, build_tiers, layout
 from kvstore.tiers.device import DeviceTier, resolve_device
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
-from kvstore.tiers.peer_pages import PeerPages, RecordPages
+from kvstore.tiers.peer_pages import PeerPages
 
 Listener = Callable[[str, bytes, str], None]   # (event "add" | "remove", key, tier)
 log = logging.getLogger("kvstore.store")
@@ -149,8 +150,12 @@ class TieredStore(WarmSharing, TierMaintenance):
             self._indexer = threading.Thread(target=self._index_cold, name="kvstore-cold-index", daemon=True)
             self._indexer.start()
         self.daemon.start()
-        if self.remote is not None and self.cold is not None:
-            self.remote.start(self.cold.records)
+        if self.remote is not None:
+            self._landing = WarmLanding(self._lock, self.mover, self.daemon, self.warm,
+                                        config.daemon.backpressure_timeout_s)
+            self.remote.lend(*self._landing.area)
+            if self.cold is not None:
+                self.remote.start(self.cold.records)
 
     # the tiers, by role
     @property
@@ -445,14 +450,11 @@ class TieredStore(WarmSharing, TierMaintenance):
                 self.daemon.end_load(ticket)
         return out
 
-    def import_records(self, records: Sequence[tuple[RecordHeader, bytes]], source_name: str = "peer",
-                       corrupt: Callable[[bytes], None] | None = None) -> int:
+    def import_records(self, records: Sequence[tuple[RecordHeader, bytes]], source_name: str = "peer") -> int:
         """Put verified pages (a prefix chain whose first parent is cached or the root) into warm,
         as cached pages; returns how many are now cached. The caller has verified them; their bytes
-        are counted as `<source_name>_to_warm`. With `corrupt`, the second items are whole records
-        whose checksums are verified as they are copied (a failure: corrupt(key), and the chain ends)."""
-        source = (PeerPages(self.spec, records, source_name) if corrupt is None   # a read-only tier the mover
-                  else RecordPages(self.spec, records, source_name, corrupt))      # reads into warm
+        are counted as `<source_name>_to_warm`."""
+        source = PeerPages(self.spec, records, source_name)   # a read-only tier the mover reads into warm
         with self.daemon.room_for(len(records), self.config.daemon.backpressure_timeout_s):
             done = self.mover.admit(source, [header for header, _ in records[:self.daemon.room(len(records))]])
             if done:
@@ -473,8 +475,7 @@ class TieredStore(WarmSharing, TierMaintenance):
         keys = page_keys(namespace, tokens, ps)
         expect = [tokens_bytes(tokens[i * ps:(i + 1) * ps]) for i in range(local, len(keys))]
         added = self.remote.fetch(namespace.digest, keys[local:], expect, keys[local - 1] if local else namespace.digest,
-                                  lambda chunk: self.import_records(chunk, "remote", self.remote.count_corrupt),
-                                  None if known is None else known - local)
+                                  self._landing, None if known is None else known - local)
         return local, added
 
     def fetch_remote_named(self, names: Sequence[str], namespace: Namespace) -> int:
@@ -486,9 +487,7 @@ class TieredStore(WarmSharing, TierMaintenance):
         if self.remote is None or local == len(keys):
             return 0
         return self.remote.fetch(namespace.digest, keys[local:], [name_tokens(n) for n in names[local:]],
-                                 namespace.digest, lambda chunk: self.import_records(chunk, "remote",
-                                                                                     self.remote.count_corrupt),
-                                 roots=True)
+                                 namespace.digest, self._landing, roots=True)
 
     # operator controls
     def pin(self, keys: Iterable[bytes], ttl_s: float | None = None) -> int:

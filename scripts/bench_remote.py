@@ -28,19 +28,20 @@ Per backend:
               are served from A's segment over loopback TCP, by A's transfer engine).
     kvstore   store B (its own data directory, empty; warm holds the whole chain; no cold tier:
               it only reads; for Mooncake it lends no memory, segment=0) calls fetch_remote for
-              the document: the records are read (Redis: pipelined GETs of 32 keys; Mooncake: one
-              batch_get_into of 32 keys; the next chunk read while one is admitted), verified and
-              admitted into warm. Only that call is timed; B then evicts the pages again. Every
+              the document: the records land straight in reserved warm slots, READ_CHUNK (16)
+              pages a call, two calls in flight (Redis: pipelined GETs received into warm;
+              Mooncake: one batch_get_into_multi_buffers into registered warm memory), each is
+              verified where it landed and adopted into warm. Only that call is timed; B then evicts the pages again. Every
               page must arrive. A first fetch, into warm memory never written before (its page
               faults: a fresh instance's first fetch), checks each page's bytes against what A
               wrote and is reported apart (kvstore_first_touch_gbps); the repetitions reuse B's
               warm slots, as a running instance does.
     client    redis-py alone (redis.Redis or redis.RedisCluster, the same socket_read_size as
-              kvstore's backend, hiredis when installed) reading the same keys, 32 per pipeline,
+              kvstore's backend, hiredis when installed) reading the same keys, READ_CHUNK per pipeline,
               the values kept as bytes: what the backend's client can do. Mooncake: the library's
               own MooncakeDistributedStore, a pure client (lending no memory, set up as kvstore's
-              backend is), reading the same keys with batch_get_into, 32 a call, into one
-              registered buffer of 32 slots (reused by each call, as kvstore's backend reuses its
+              backend is), reading the same keys with batch_get_into, READ_CHUNK a call, into one
+              registered buffer of READ_CHUNK slots (reused by each call, as kvstore's backend reuses its
               area); each call's byte counts are checked against the record sizes.
 The two alternate for `--repeat` repetitions (kvstore first in even ones, client first in odd
 ones). Reported per backend: the median GB/s of each (record bytes / seconds), their ratio

@@ -18,6 +18,13 @@ Rules every backend keeps:
   one that failed, and raise only when it cannot answer any key.
 - `put_many` stores every value or raises RemoteDown (a value may then be stored or not);
   `delete_many` forgets keys (missing ones are fine); `exists_many` says which keys are held.
+- `get_into` lands each value in the caller's memory instead, in two parts (its first bytes into
+  a head, the rest into a target: a page record's header, and its page in a warm slot), and says
+  per key LANDED, MISSING (None above), WRONG_SIZE (a value that is not head + target bytes:
+  not landed, a foreign or damaged value) or FAILED_CHECK (landed, and the caller's check(i),
+  called as soon as value i has landed, while its bytes are still in cache, said no). The default
+  reads get_many and copies; a backend that can receive into the caller's memory overrides it. `lend(address, nbytes)` announces memory
+  that targets will lie in (Mooncake registers it with its transfer engine).
 - `describe()` is the URL without its password, for logs and stats.
 """
 
@@ -26,9 +33,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
+import numpy as np
+
 from kvstore.config import redact_secret
 from kvstore.errors import KVStoreError
 from kvstore.registry import Registry
+
+
+LANDED, MISSING, WRONG_SIZE, FAILED_CHECK = 1, 0, -1, -2   # get_into's answers per key
+
+
+Check = Callable[[int], bool]   # get_into's check(i): whether value i, landed, is what the caller expects
 
 
 class RemoteDown(KVStoreError):
@@ -57,6 +72,16 @@ class RemoteBackend(ABC):
     def delete_many(self, keys: Sequence[str]) -> None:
         """Forget these keys (missing ones are ignored)."""
 
+    def get_into(self, keys: Sequence[str], heads: Sequence[np.ndarray], targets: Sequence[np.ndarray],
+                 check: Check | None = None) -> list[int]:
+        """Land each key's value in heads[i] and then targets[i] (flat uint8 arrays), checked by
+        check(i) once landed: LANDED, MISSING, WRONG_SIZE or FAILED_CHECK per key, in order;
+        RemoteDown as get_many."""
+        return land_values(self.get_many(keys), heads, targets, check)
+
+    def lend(self, address: int, nbytes: int) -> None:
+        """Targets of get_into will lie in these bytes (for as long as the backend lives)."""
+
     def ping(self) -> None:
         """Raise RemoteDown unless the store answers now."""
         self.exists_many(["kvstore:ping"])
@@ -66,6 +91,30 @@ class RemoteBackend(ABC):
 
     def describe(self) -> str:
         return redact_secret(self.url)
+
+
+def land_values(values: Sequence, heads: Sequence[np.ndarray], targets: Sequence[np.ndarray],
+                check: Check | None = None) -> list[int]:
+    """get_into's answers for values already read (None: missing): each one of the right size is
+    copied into its head and target, then checked."""
+    codes = []
+    for i, (value, head, target) in enumerate(zip(values, heads, targets)):
+        if value is None:
+            codes.append(MISSING)
+            continue
+        src = np.frombuffer(value, np.uint8)
+        if len(src) != len(head) + len(target):
+            codes.append(WRONG_SIZE)
+            continue
+        head[:] = src[:len(head)]
+        target[:] = src[len(head):]
+        codes.append(checked(check, i))
+    return codes
+
+
+def checked(check: Check | None, i: int) -> int:
+    """LANDED, or FAILED_CHECK when check(i) says no."""
+    return LANDED if check is None or check(i) else FAILED_CHECK
 
 
 REMOTE_BACKENDS: Registry[Callable[[str, float, str], RemoteBackend]] = Registry("remote backend", "kvstore.remote")

@@ -6,12 +6,17 @@ mooncake://MASTER_HOST:PORT?metadata=URL[&segment=SIZE&buffer=SIZE&protocol=tcp|
   other clients lend; what is lent is touched as written and lost to the store at exit). buffer:
   the library's staging buffer (default 0: batches here use areas this backend registers).
   device: RDMA devices. local: where other clients reach us (default: our address toward the master).
-- A read is one batch_get_into into the calling thread's registered area, a slot per key as large
+- A read into the caller's memory (get_into, the tier's read path) is one
+  batch_get_into_multi_buffers: each value lands in two parts, its head in the calling thread's
+  registered area and its page in the target (memory the tier lends: registered once). A value
+  of another size fails its transfer; its size is then asked for, to tell a foreign or damaged
+  value (WRONG_SIZE) from a failed transfer (RemoteDown).
+- A read of whole values (get_many) is one batch_get_into into the calling thread's registered area, a slot per key as large
   as the largest value seen (1 MiB at first; a larger value is measured and the batch read again);
   values are read-only views, valid until the thread's next get_many. A write copies into a
   registered area and is one batch_upsert_from (overwriting, as Redis does). Missing keys: None.
 - The library waits up to 30 s for a hung master (~4 s for a gone one), so each call runs on a
-  helper thread waited for at most timeout_s; then RemoteDown, while the call goes on in the
+  helper thread (one, kept: the library keeps state per thread) waited for at most timeout_s; then RemoteDown, while the call goes on in the
   background and calls fail at once until it ends. Calls are serialized. setup and close hold
   the GIL (setup: ~90 s with no master; close: ~1 s, ~9 s with it gone, ~90 s with it hung): the
   master and metadata server must accept a connection within timeout_s before setup, and close
@@ -22,6 +27,7 @@ mooncake://MASTER_HOST:PORT?metadata=URL[&segment=SIZE&buffer=SIZE&protocol=tcp|
 
 from __future__ import annotations
 
+import queue
 import socket
 import threading
 import time
@@ -35,7 +41,7 @@ import numpy as np
 
 from kvstore.config import parse_size, redact_secret
 from kvstore.errors import ConfigError
-from kvstore.remote.backend import REMOTE_BACKENDS, RemoteBackend, RemoteDown
+from kvstore.remote.backend import MISSING, REMOTE_BACKENDS, WRONG_SIZE, Check, RemoteBackend, RemoteDown, checked
 
 try:
     from mooncake.store import MooncakeDistributedStore
@@ -48,7 +54,7 @@ _ALLOWED = ("mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata|P2PH
             "[&segment=SIZE&buffer=SIZE&protocol=tcp|rdma&device=NAMES&local=HOST]")
 _OPTIONS = ("metadata", "segment", "buffer", "protocol", "device", "local")
 _FIRST_SLOT = 1 << 20
-_NOT_FOUND, _TOO_SMALL, _NO_ROOM = -704, -600, -200
+_NOT_FOUND, _TOO_SMALL, _NO_ROOM, _TRANSFER_FAIL = -704, -600, -200, -800
 _LEFT_OPEN: list = []   # backends whose store was not closed: collecting it would close it, holding the GIL
 
 
@@ -105,9 +111,45 @@ class _Registrations:
                 self.store.unregister_buffer(address)
 
 
+class _Call:
+    def __init__(self, fn, args):
+        self.fn, self.args, self.done, self.outcome = fn, args, threading.Event(), None
+
+
+class _Worker:
+    """The daemon thread the library's calls run on, one after another. It is kept: the library
+    keeps state per calling thread, and a fresh thread per call cost a fifth of a read's speed. A
+    call that hangs keeps its thread; the backend then starts another for later calls."""
+
+    def __init__(self):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="kvstore-mooncake", daemon=True)
+        self.thread.start()
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def submit(self, fn, args) -> _Call:
+        call = _Call(fn, args)
+        self.calls.put(call)
+        return call
+
+    def stop(self) -> None:
+        self.calls.put(None)
+
+    def _loop(self) -> None:
+        while (call := self.calls.get()) is not None:
+            try:
+                call.outcome = (True, call.fn(*call.args))
+            except Exception as exc:
+                call.outcome = (False, exc)
+            call.done.set()
+
+
 class _PerThread(threading.local):
     def __init__(self):
         self.area = SimpleNamespace()   # the thread's receive area: a value stays valid until its next read
+        self.heads = SimpleNamespace()  # where get_into's heads land, before they are copied out
 
 
 class MooncakeBackend(RemoteBackend):
@@ -122,6 +164,7 @@ class MooncakeBackend(RemoteBackend):
                               f"install libibverbs1): {_MISSING}")
         self.master, self.store = cfg["master"], MooncakeDistributedStore()
         self._lock, self._stuck, self._slot = threading.Lock(), None, _FIRST_SLOT
+        self._worker: _Worker | None = None
         self._local, self._send, self._registrations = _PerThread(), SimpleNamespace(), _Registrations(self.store)
         host, _, port = self.master.rpartition(":")
         self._reachable(host, int(port), "master")
@@ -145,21 +188,14 @@ class MooncakeBackend(RemoteBackend):
         return RemoteDown(f"the Mooncake store at {self.describe()} {what}")
 
     def _run(self, what: str, deadline: float, fn, *args):
-        """fn(*args) on a helper thread, waited for until deadline; RemoteDown when it is late or raises."""
-        box: list = []
-
-        def call():
-            try:
-                box.append((True, fn(*args)))
-            except Exception as exc:
-                box.append((False, exc))
-        thread = threading.Thread(target=call, name=f"kvstore-mooncake-{what}", daemon=True)
-        thread.start()
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            self._stuck = (thread, what)
+        """fn(*args) on the helper thread, waited for until deadline; RemoteDown when it is late or raises."""
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = _Worker()
+        call = self._worker.submit(fn, args)
+        if not call.done.wait(max(0.0, deadline - time.monotonic())):
+            self._stuck, self._worker = (call, what), None   # the next call gets a new thread
             raise self._down(f"did not answer {what} in time (master {self.master} down or hung?)")
-        ok, value = box[0]
+        ok, value = call.outcome
         if not ok:
             raise self._down(f"failed {what}: {type(value).__name__}: {' '.join(str(value).split())[:200]}")
         return value
@@ -171,7 +207,7 @@ class MooncakeBackend(RemoteBackend):
         if not self._lock.acquire(timeout=self.timeout_s):
             raise self._down(f"is busy: no turn within {self.timeout_s:g} s")
         try:
-            if self._stuck and self._stuck[0].is_alive():
+            if self._stuck and not self._stuck[0].done.is_set():
                 raise self._down(f"has not answered an earlier {self._stuck[1]} yet (master {self.master} down or hung?)")
             yield deadline
         finally:
@@ -228,6 +264,41 @@ class MooncakeBackend(RemoteBackend):
             raise self._down(f"answered no key (error {failed[0]})")
         return [view[i * slot:i * slot + c] if c > 0 else None for i, c in enumerate(codes)]
 
+    def lend(self, address: int, nbytes: int) -> None:
+        with self._turn() as deadline:
+            rc = self._run("register", deadline, self.store.register_buffer, address, nbytes)
+        if rc != 0:
+            raise self._down(f"did not register {nbytes} bytes of warm memory (error {rc})")
+
+    def get_into(self, keys: Sequence[str], heads: Sequence[np.ndarray], targets: Sequence[np.ndarray],
+                 check: Check | None = None) -> list[int]:
+        keys = list(keys)
+        if not keys:
+            return []
+        sizes = [len(h) for h in heads]
+        offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+        with self._turn() as deadline:
+            base = self._fit(self._local.heads, sum(sizes), deadline)
+            codes = self._run("get", deadline, self.store.batch_get_into_multi_buffers, keys,
+                              [[base + o, t.ctypes.data] for o, t in zip(offsets, targets)],
+                              [[n, t.nbytes] for n, t in zip(sizes, targets)])
+            odd = [i for i, c in enumerate(codes) if c < 0 and c != _NOT_FOUND]
+            held = self._run("get_size", deadline, lambda: [self.store.get_size(keys[i]) for i in odd]) if odd else []
+            area = self._local.heads.array
+        self._errors("get", codes, (_NOT_FOUND, _TOO_SMALL, _TRANSFER_FAIL))
+        out, held = [], dict(zip(odd, held))
+        for i, (code, n, off, target) in enumerate(zip(codes, sizes, offsets, targets)):
+            if code == n + target.nbytes:
+                heads[i][:] = area[off:off + n]
+                out.append(checked(check, i))
+            elif code == _NOT_FOUND or held.get(i, 0) < 0:
+                out.append(MISSING)
+            elif held.get(i) != n + target.nbytes:
+                out.append(WRONG_SIZE)
+            else:
+                raise self._down(f"failed to transfer a value (error {code})")
+        return out
+
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         items = list(items)
         if not items:
@@ -278,6 +349,8 @@ class MooncakeBackend(RemoteBackend):
         with self._lock, self._registrations.lock:
             self._registrations.open = False
             self.store.close()
+            if self._worker is not None:
+                self._worker.stop()
 
 
 @REMOTE_BACKENDS.register("mooncake")

@@ -3,7 +3,11 @@ Redis Cluster or Valkey cluster (`redis+cluster://HOST:PORT[,HOST:PORT...]`), th
 
 A batch is one pipeline (per node, in a cluster: redis-py sends to every node before it reads
 any answer), read through a 1 MiB socket buffer (values are pages; redis-py's default 64 KiB
-halves the throughput). Every socket operation is bounded by the timeout; a connection refused,
+halves the throughput). Reads into the caller's memory (get_into, the tier's read path) go over
+sockets of their own that speak just enough RESP to land each value where it belongs (resp.py),
+a connection per node and thread; over TLS or a unix socket they go through redis-py and are
+copied. A value in a cluster that moved (MOVED, ASK) is read again through redis-py, which
+follows it and learns the new layout. Every socket operation is bounded by the timeout; a connection refused,
 reset or timed out raises RemoteDown. In a cluster a batch that touches a node that is down
 fails as a whole (redis-py's cluster pipeline), so the tier is down until the node is back or
 failed over. The password comes from the URL, or else from the environment variable
@@ -12,8 +16,11 @@ remote.password_env names (`password` below); neither is ever logged.
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
 
 import redis
 from redis.backoff import NoBackoff
@@ -22,7 +29,8 @@ from redis.exceptions import AuthenticationError, RedisClusterException, RedisEr
 from redis.retry import Retry
 
 from kvstore.errors import ConfigError
-from kvstore.remote.backend import REMOTE_BACKENDS, RemoteBackend, RemoteDown
+from kvstore.remote.backend import MISSING, REMOTE_BACKENDS, Check, RemoteBackend, RemoteDown, land_values
+from kvstore.remote.resp import ERROR, HandshakeRefused, LandingConnection
 
 _CHUNK = 64                # commands a pipeline carries at most (values are pages: ~1 MiB each)
 READ_BUFFER = 1 << 20      # bytes a socket read takes at most
@@ -42,6 +50,9 @@ class RedisBackend(RemoteBackend):
                 "socket_read_size": READ_BUFFER}   # no retries: one timeout is the bound
         if password and not urlsplit(url).password:
             opts["password"] = password
+        self._landing = threading.local()   # per thread: (host, port) -> LandingConnection
+        self._landing_all: set[LandingConnection] = set()
+        self._landing_lock = threading.Lock()
         try:
             self.client = self._connect(url, opts)
         except (ValueError, RedisClusterException) as exc:
@@ -51,7 +62,13 @@ class RedisBackend(RemoteBackend):
             raise RemoteDown(f"the remote store at {self.describe()} cannot be reached: {_one_line(exc)}") from None
 
     def _connect(self, url: str, opts: dict):
-        return redis.Redis.from_url(url, **opts)
+        client = redis.Redis.from_url(url, **opts)
+        pool = client.connection_pool
+        kw = pool.connection_kwargs
+        self._auth = (kw.get("username"), kw.get("password"), kw.get("db") or 0)
+        self._direct = pool.connection_class is redis.Connection   # not TLS, not a unix socket
+        self._node = (kw.get("host"), kw.get("port"))
+        return client
 
     def _refused(self, exc: BaseException) -> None:
         """A server that refuses our credentials is a configuration error, not an outage."""
@@ -95,6 +112,76 @@ class RedisBackend(RemoteBackend):
     def get_many(self, keys: Sequence[str]) -> list:
         return self._batched("get", [(k,) for k in keys])
 
+    def _node_of(self, key: str) -> tuple[str, int]:
+        return self._node
+
+    def _landing_connection(self, node: tuple[str, int]) -> LandingConnection:
+        conns = self._landing.__dict__.setdefault("conns", {})
+        conn = conns.get(node)
+        if conn is None:
+            conn = conns[node] = LandingConnection(*node, self.timeout_s, *self._auth)
+            with self._landing_lock:
+                self._landing_all.add(conn)
+        return conn
+
+    def _drop_landing(self, nodes) -> None:
+        conns = self._landing.__dict__.get("conns", {})
+        for node in nodes:
+            conn = conns.pop(node, None)
+            if conn is not None:
+                conn.close()
+                with self._landing_lock:
+                    self._landing_all.discard(conn)
+
+    def get_into(self, keys: Sequence[str], heads: Sequence[np.ndarray], targets: Sequence[np.ndarray],
+                 check: Check | None = None) -> list[int]:
+        if not self._direct:
+            return super().get_into(keys, heads, targets, check)
+        by_node: dict[tuple[str, int], list[int]] = {}
+        codes, errors = [MISSING] * len(keys), {}
+        try:   # every node's requests go out before any answer is read
+            for i, key in enumerate(keys):
+                by_node.setdefault(self._node_of(key), []).append(i)
+            conns = {node: self._landing_connection(node) for node in by_node}
+            for i in range(0, len(keys), _CHUNK):
+                for node, idx in by_node.items():
+                    conns[node].send_gets([keys[j] for j in idx if i <= j < i + _CHUNK])
+                for node, idx in by_node.items():
+                    part = [j for j in idx if i <= j < i + _CHUNK]
+                    got = conns[node].read_into([heads[j] for j in part], [targets[j] for j in part],
+                                                None if check is None else lambda k, part=part: check(part[k]))
+                    messages = iter(conns[node].errors)
+                    for j, code in zip(part, got):
+                        codes[j] = code
+                        if code == ERROR:
+                            errors[j] = next(messages, "")
+        except HandshakeRefused as exc:
+            self._drop_landing(by_node)
+            self._refused(exc)
+            raise RemoteDown(f"the remote store at {self.describe()} refused the connection: {exc}") from None
+        except (OSError, ValueError, RedisError, RedisClusterException) as exc:
+            self._drop_landing(by_node)
+            raise RemoteDown(f"the remote store at {self.describe()} failed: {_one_line(exc)}") from None
+        return self._errors_into(keys, heads, targets, check, codes, errors)
+
+    def _errors_into(self, keys, heads, targets, check, codes: list[int], errors: dict[int, str]) -> list[int]:
+        """codes with their error replies (errors: key index -> message) resolved: a value that moved
+        is read through redis-py; any other error is a miss (every key such an error: RemoteDown)."""
+        if not errors:
+            return codes
+        moved = [i for i, e in errors.items() if e.startswith(("MOVED", "ASK"))]
+        if len(errors) == len(codes) and not moved:
+            self._check([ResponseError(e) for e in errors.values()])
+        again = land_values(self.get_many([keys[i] for i in moved]), [heads[i] for i in moved],
+                            [targets[i] for i in moved],
+                            None if check is None else lambda k: check(moved[k])) if moved else []
+        out = list(codes)
+        for i in errors:
+            out[i] = MISSING
+        for i, code in zip(moved, again):
+            out[i] = code
+        return out
+
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
         results = self._batched("set", list(items))
         if any(r is None for r in results):
@@ -107,6 +194,10 @@ class RedisBackend(RemoteBackend):
         self._batched("delete", [(k,) for k in keys])
 
     def close(self) -> None:
+        with self._landing_lock:
+            conns, self._landing_all = self._landing_all, set()
+        for conn in conns:
+            conn.close()
         self.client.close()
 
 
@@ -133,7 +224,13 @@ class RedisClusterBackend(RedisBackend):
             opts["ssl"] = True
             if "ssl_ca_certs" in query:
                 opts["ssl_ca_certs"] = query["ssl_ca_certs"][0]
+        self._auth = (opts.get("username"), opts.get("password"), 0)
+        self._direct = not opts.get("ssl")
         return RedisCluster(startup_nodes=nodes, **opts)
+
+    def _node_of(self, key: str) -> tuple[str, int]:
+        node = self.client.nodes_manager.get_node_from_slot(self.client.keyslot(key))
+        return node.host, node.port
 
     def _run(self, commands) -> list:
         try:

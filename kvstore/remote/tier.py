@@ -1,11 +1,14 @@
 """RemoteTier: page records in a distributed store other instances share, below cold.
 
-Reads: `fetch` (a worker thread's call) reads the records of a chain's pages beyond what the
-store holds, verifies each (checksum, key derivation, namespace, tokens, geometry, the chain)
-and hands them to the store to admit into warm, a chunk at a time while the next is read. The first page the remote store does not
-hold ends the chain (a miss); one that fails verification is a counted corrupt page, never
-served. Which pages the remote holds is known before asking when the prefix index says so
-(`known`); else the reads find where the chain ends (a missing key reads as nothing).
+Reads: `fetch` (a worker thread's call) has the backend receive the records of a chain's pages
+beyond what the store holds straight into reserved warm slots (landing.py: each record's head
+beside the slot, its page in it), verifies each where it landed (the head must be exactly the
+record expected: key, parent, namespace, tokens, geometry; and the checksum) and has the store
+adopt the good ones, a chunk at a time while the next is received. The first page the remote
+store does not hold ends the chain (a miss); one that fails verification is a counted corrupt
+page, never indexed, so never served. Which pages the remote holds is known before asking when
+the prefix index says so (`known`); else the reads find where the chain ends (a missing key
+reads as nothing).
 
 Writes: pages reach it by write-behind from cold. The store's daemon `offer`s every page it
 has made durable in cold; the writer thread takes them in order, up to WRITE_BATCH_BYTES a
@@ -33,20 +36,24 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
+
+import numpy as np
 
 from kvstore import record
 from kvstore.config import RemoteConfig, redact_secret
 from kvstore.errors import KVStoreError
 from kvstore.record import RecordHeader
-from kvstore.remote.backend import RemoteBackend, RemoteDown
+from kvstore.remote.backend import LANDED, MISSING, RemoteBackend, RemoteDown
+from kvstore.remote.landing import WarmLanding
 from kvstore.spec import KVSpec
 
 log = logging.getLogger("kvstore.remote")
 
 WRITE_BATCH_BYTES = 16 << 20   # record bytes per write batch, at most
-READ_CHUNK = 32                # pages per read call
+READ_CHUNK = 16                # pages per read call (16 measured faster than 32 and 64)
+IN_FLIGHT = 2                  # read calls a fetch has in flight (on as many reader threads)
 BACKOFF_S = (0.5, 30.0)        # wait before retrying a remote that failed: first and longest
 DRAIN_S = 10.0                 # close() writes what is queued for at most this long
 
@@ -70,6 +77,7 @@ class RemoteTier:
         self._source: Callable[[list[bytes]], list[bytes | None]] | None = None
         self._thread: threading.Thread | None = None
         self._readers: queue.SimpleQueue = queue.SimpleQueue()   # pairs of reader threads, between fetches
+        self._lent: tuple[int, int] | None = None                # warm's memory, where reads land
         self._stopping = False
         # health
         self.state, self.last_error = "up", ""
@@ -110,6 +118,8 @@ class RemoteTier:
         try:
             if self.backend is None:
                 self.backend = self._connect()
+                if self._lent is not None:
+                    self.backend.lend(*self._lent)
             result = getattr(self.backend, fn)(*args)
         except RemoteDown as exc:
             self.mark_down(exc)
@@ -133,89 +143,111 @@ class RemoteTier:
         self.state, self.last_error, self.retry_at = "down", str(exc), now + self._backoff
 
     # reads
+    def lend(self, address: int, nbytes: int) -> None:
+        """Reads will land in these bytes (warm's memory): the backend is told, now and on a reconnect."""
+        if not nbytes:
+            return
+        self._lent = (address, nbytes)
+        if self.backend is not None:
+            try:
+                self.backend.lend(address, nbytes)
+            except RemoteDown as exc:
+                self.mark_down(exc)
+
     def fetch(self, namespace: bytes, keys: Sequence[bytes], tokens: Sequence[bytes], parent: bytes,
-              admit: Callable[[list[tuple[RecordHeader, memoryview]]], int], known: int | None = None,
-              roots: bool = False) -> int:
-        """Read the leading pages of this chain that the remote store holds and hand them, verified, to
-        admit(chunk) a chunk at a time (READ_CHUNK pages; it returns how many it stored, and its
-        payloads are valid only during the call); returns the pages admitted. keys[i] is the page
-        whose tokens are tokens[i], parent the key before keys[0] (the namespace digest for page 0).
-        `known`: how many the prefix index says it holds (None: read until a page is missing). With
-        `roots` every page's parent is `parent` (named pages: kvstore.keys). The next chunk is read
-        while one is admitted. Blocks for network round trips: for worker threads. Never raises:
-        failures are misses."""
+              landing: WarmLanding, known: int | None = None, roots: bool = False) -> int:
+        """Read the leading pages of this chain that the remote store holds straight into reserved
+        warm slots, verify each where it landed and have `landing` cache them, a chunk at a time
+        (READ_CHUNK pages); returns the pages cached. keys[i] is the page whose tokens are
+        tokens[i], parent the key before keys[0] (the namespace digest for page 0). `known`: how
+        many the prefix index says it holds (None: read until a page is missing). With `roots`
+        every page's parent is `parent` (named pages: kvstore.keys). The next chunk is read while
+        one is adopted. Blocks for network round trips: for worker threads. Never raises: failures
+        are misses."""
+        headers = []
+        for key, toks in zip(keys, tokens):
+            headers.append(RecordHeader(key, parent, namespace, toks, self.spec.fingerprint, self.spec.page_bytes))
+            parent = parent if roots else key
         names = [self.key(namespace, k) for k in keys]
-        total, pending = 0, None
+        known = len(names) if known is None else min(known, len(names))
+        # two chunks are in flight on two reader threads: one is received while the other is verified
+        # (where it landed) and adopted
+        chunks = [range(a, min(a + READ_CHUNK, known)) for a in range(0, known, READ_CHUNK)]
+        total, inflight = 0, collections.deque()
         readers = self._take_readers()
-        try:   # without `known`, the reads themselves find the end: a key it does not hold reads as nothing
-            known = len(names) if known is None else known
-            # chunks alternate between two reader threads: a backend's values (views into a thread's
-            # buffer) stay valid while the next chunk is read on the other thread
-            chunks = [names[a:a + READ_CHUNK] for a in range(0, min(known, len(names)), READ_CHUNK)]
-            pending = readers[0].submit(self._read, chunks[0]) if chunks else None
-            for i in range(len(chunks)):
-                values = pending.result()
-                pending = readers[(i + 1) % 2].submit(self._read, chunks[i + 1]) if i + 1 < len(chunks) else None
-                good = []
-                for j, value in enumerate(values, i * READ_CHUNK):
-                    page = self._verify(value, namespace, keys[j], tokens[j], parent)
-                    if page is None:
-                        break
-                    good.append(page)
-                    parent = parent if roots else keys[j]
-                stored = admit(good) if good else 0
+
+        def submit(i: int) -> None:
+            inflight.append(readers[i % IN_FLIGHT].submit(self._land, names, headers, chunks[i], landing))
+        try:
+            for i in range(min(IN_FLIGHT, len(chunks))):
+                submit(i)
+            for i, chunk in enumerate(chunks):
+                slots, good = inflight.popleft().result()
+                if good == len(chunk) and i + IN_FLIGHT < len(chunks):
+                    submit(i + IN_FLIGHT)
+                stored = landing.adopt([headers[j] for j in chunk[:good]], slots[:good]) if good else 0
+                landing.release(slots[good:])
                 total += stored
-                if stored < len(values):
+                if stored < len(chunk):
                     break
         except RemoteDown:
             pass
         finally:
             self.hits += total
-            self._give_readers(readers, pending)
+            self._give_readers(readers, inflight, landing)
         return total
 
     def _take_readers(self) -> list[ThreadPoolExecutor]:
         """A pair of reader threads for one fetch, kept between fetches (a backend's per-thread
-        buffers stay registered and touched); a new pair when every pair is in use."""
+        connections and buffers stay open, registered and touched); a new pair when every pair is in use."""
         try:
             return self._readers.get_nowait()
         except queue.Empty:
-            return [ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-read") for _ in range(2)]
+            return [ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-read") for _ in range(IN_FLIGHT)]
 
-    def _give_readers(self, readers: list[ThreadPoolExecutor], pending: Future | None) -> None:
-        """Back to the pool once the read still in flight (if any) has ended."""
-        if pending is not None:
-            wait([pending])
+    def _give_readers(self, readers: list[ThreadPoolExecutor], inflight, landing: WarmLanding) -> None:
+        """Back to the pool once the reads still in flight have ended and their slots are freed."""
+        for pending in inflight:
+            try:
+                landing.release(pending.result()[0])
+            except RemoteDown:
+                pass
         self._readers.put(readers)
 
-    def _read(self, names: list[str]) -> list:
+    def _land(self, names: list[str], headers: list[RecordHeader], chunk: range,
+              landing: WarmLanding) -> tuple[list[int], int]:
+        """Receive chunk's pages into reserved warm slots (as many as warm has room for) and verify
+        them in order: (the slots, how many lead the chunk verified). The first missing page is a
+        miss and one that fails verification a counted corrupt page; either ends the good run."""
+        reserved = landing.reserve(len(chunk))
+        if not reserved:
+            return [], 0
+        idx = chunk[:len(reserved)]
+        heads = [np.empty(record.head_size(headers[j]), np.uint8) for j in idx]
         t0 = time.monotonic()
-        values = self._call("get_many", names)
+        targets = [t for _, t in reserved]
+        try:   # each page is checked as soon as it has landed, while its bytes are in cache
+            codes = self._call("get_into", [names[j] for j in idx], heads, targets,
+                               lambda k: record.check_landed(heads[k], headers[idx[k]], targets[k]))
+        except BaseException:
+            landing.release([s for s, _ in reserved])
+            raise
         self.read_s += time.monotonic() - t0
         self.reads += 1
-        return values
-
-    def _verify(self, value, namespace: bytes, key: bytes, tokens: bytes,
-                parent: bytes) -> tuple[RecordHeader, memoryview] | None:
-        """The record's header and the record, its header checked (its checksum is checked as it is
-        copied into warm: RecordPages), or None: a miss (no value) or a counted corrupt page."""
-        if value is None:
-            self.misses += 1
-            return None
-        try:
-            header = record.read_header(value)
-        except record.RecordError:
-            header = None
-        if (header is None or header.key != key or header.parent != parent or header.namespace != namespace
-                or header.tokens != tokens or header.spec != self.spec.fingerprint
-                or header.nbytes != self.spec.page_bytes):
-            self.count_corrupt(key)
-            return None
-        self.read_bytes += len(value)
-        return header, value
+        good = 0
+        for j, code, head, target in zip(idx, codes, heads, targets):
+            if code == MISSING:
+                self.misses += 1
+                break
+            if code != LANDED:
+                self.count_corrupt(headers[j].key)
+                break
+            self.read_bytes += len(head) + len(target)
+            good += 1
+        return [s for s, _ in reserved], good
 
     def count_corrupt(self, key: bytes) -> None:
-        """A value that failed verification (its header here, its checksum while copied): counted."""
+        """A value that failed verification: counted, and logged without its contents."""
         self.corrupt += 1
         log.warning("remote page %s failed verification: a miss, not served", key.hex()[:12])
 

@@ -1,4 +1,4 @@
-"""PeerPages: pages another instance sent (or the remote tier read), a read-only tier the mover reads
+"""PeerPages: pages another instance sent, a read-only tier the mover reads
 from into warm.
 
 A peer fetch (cluster/peer.py) verifies each record it receives and hands the chain to the store
@@ -10,13 +10,11 @@ a page only when its stored header is exactly the one asked for. It lives for on
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Callable, Sequence
+from typing import Sequence
 
-from kvstore import record
 from kvstore.record import RecordHeader
 from kvstore.spec import KVSpec
 from kvstore.tiers.base import Tier, done
-from kvstore.tiers.buffers import as_byte_array
 
 
 class PeerPages(Tier):
@@ -47,30 +45,4 @@ class PeerPages(Tier):
             ok.append(header == h and len(self.records[h.key][1]) == self.spec.page_bytes)
         dst.store_pages([s for s, good in zip(dst_slots, ok) if good],
                         [self.records[h.key][1] for h, good in zip(handles, ok) if good])
-        return done(ok)
-
-
-class RecordPages(PeerPages):
-    """Whole records whose headers were checked but not their checksums (the remote tier's):
-    read_into verifies each checksum while it copies the page into its slot, in one pass over the
-    bytes (kvstore.record.copy_payload); a record that fails is not served: its slot is zeroed,
-    the read is False and corrupt(key) is told."""
-
-    def __init__(self, spec: KVSpec, records: Sequence[tuple[RecordHeader, bytes]], name: str,
-                 corrupt: Callable[[bytes], None]):
-        super().__init__(spec, records, name)
-        self.corrupt = corrupt
-
-    def read_into(self, handles: Sequence[RecordHeader], dst, dst_slots: Sequence[int]) -> Future:
-        ok = []
-        for h, out in zip(handles, dst.targets(dst_slots)):
-            header, rec = self.records.get(h.key, (None, None))
-            good = header == h
-            if good:
-                try:
-                    record.copy_payload(rec, header, as_byte_array(out))
-                except record.RecordError:
-                    good = False
-                    self.corrupt(h.key)
-            ok.append(good)
         return done(ok)

@@ -15,6 +15,7 @@ import pytest
 
 import mooncakeutil
 from conftest import REPO, clean_env, requires
+from kvstore.remote.tier import READ_CHUNK
 
 SCRIPT = REPO / "scripts" / "bench_remote.py"
 PAGES_ARGS = ["--pages", "8", "--repeat", "1"]
@@ -48,7 +49,7 @@ def run(args: list[str], env: dict[str, str], cwd, timeout: float = 120) -> subp
 def check_report(report: dict, kinds: set[str]) -> None:
     assert report["benchmark"] == "remote" and report["pages"] == 8 and report["repeat"] == 1
     assert report["page_bytes"] == 737_280 and report["tokens"] == 8 * 16
-    assert report["read_chunk"] == 32 and positive(report["socket_read_size"])
+    assert report["read_chunk"] == READ_CHUNK and positive(report["socket_read_size"])
     assert set(report["backends"]) == kinds
     for kind, b in report["backends"].items():
         assert b["servers"] == (3 if kind == "cluster" else 1), kind

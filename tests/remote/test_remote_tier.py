@@ -16,25 +16,11 @@ from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 from kvstore.record import RecordHeader
 from kvstore.remote import open_remote
-from redisutil import RedisServer, make_cluster
+from redisfixtures import cluster, single  # noqa: F401 (fixtures)
+from redisutil import RedisServer
 from storeutil import SPEC, expected_page, fill_and_commit, make_config, make_store, settle, tokens_for
 
 PAGES = 6
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    servers = make_cluster(tmp_path_factory.mktemp("cluster"))
-    yield servers
-    for s in servers:
-        s.stop()
 
 
 def cluster_url(servers) -> str:
