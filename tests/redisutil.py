@@ -46,11 +46,11 @@ def make_cert(directory: Path) -> tuple[Path, Path]:
 
 class RedisServer:
     def __init__(self, directory: Path, password: str | None = None, tls: bool = False,
-                 cluster: bool = False, port: int | None = None):
+                 cluster: bool = False, port: int | None = None, flags: tuple[str, ...] = ()):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or (free_cluster_port() if cluster else free_port())
-        self.password, self.tls, self.cluster = password, tls, cluster
+        self.password, self.tls, self.cluster, self.flags = password, tls, cluster, flags
         self.cert = self.key = None
         if tls:
             self.cert, self.key = make_cert(self.dir)
@@ -71,7 +71,7 @@ class RedisServer:
             a += ["--requirepass", self.password]
         if self.cluster:
             a += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / "nodes.conf")]
-        return a
+        return a + list(self.flags)
 
     def start(self) -> None:
         log = self.dir / "redis.log"
@@ -102,10 +102,12 @@ class RedisServer:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
 
-def make_cluster(directory: Path, nodes: int = 3) -> list[RedisServer]:
-    servers = [RedisServer(Path(directory) / f"n{i}", cluster=True) for i in range(nodes)]
+def make_cluster(directory: Path, nodes: int = 3, replicas: int = 0, flags: tuple[str, ...] = ()) -> list[RedisServer]:
+    """nodes masters, each with `replicas` replicas (servers: the masters first, as redis-cli assigns
+    them), started with flags."""
+    servers = [RedisServer(Path(directory) / f"n{i}", cluster=True, flags=flags) for i in range(nodes * (1 + replicas))]
     subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in servers],
-                    "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+                    "--cluster-replicas", str(replicas), "--cluster-yes"], check=True, capture_output=True, timeout=30)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         states = [subprocess.run(["redis-cli", "-p", str(s.port), "cluster", "info"],

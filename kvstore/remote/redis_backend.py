@@ -115,6 +115,9 @@ class RedisBackend(RemoteBackend):
     def _node_of(self, key: str) -> tuple[str, int]:
         return self._node
 
+    def _relearn(self) -> None:
+        """After a failed read: a cluster learns its layout again (a replica may have taken over)."""
+
     def _landing_connection(self, node: tuple[str, int]) -> LandingConnection:
         conns = self._landing.__dict__.setdefault("conns", {})
         conn = conns.get(node)
@@ -161,6 +164,7 @@ class RedisBackend(RemoteBackend):
             raise RemoteDown(f"the remote store at {self.describe()} refused the connection: {exc}") from None
         except (OSError, ValueError, RedisError, RedisClusterException) as exc:
             self._drop_landing(by_node)
+            self._relearn()
             raise RemoteDown(f"the remote store at {self.describe()} failed: {_one_line(exc)}") from None
         return self._errors_into(keys, heads, targets, check, codes, errors)
 
@@ -231,6 +235,14 @@ class RedisClusterBackend(RedisBackend):
     def _node_of(self, key: str) -> tuple[str, int]:
         node = self.client.nodes_manager.get_node_from_slot(self.client.keyslot(key))
         return node.host, node.port
+
+    def _relearn(self) -> None:
+        """The reads go to the nodes redis-py knows; after a failure it asks the cluster again (the
+        next retry then reaches a replica that took over), or keeps what it knew."""
+        try:
+            self.client.nodes_manager.initialize()
+        except (RedisError, RedisClusterException, OSError):
+            pass
 
     def _run(self, commands) -> list:
         try:

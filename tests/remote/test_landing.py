@@ -2,13 +2,15 @@
 exactly head + target bytes in its two parts, says MISSING for a key it does not hold and
 WRONG_SIZE for a longer or shorter value (and the replies after one are still right); the Redis
 read path's own RESP connection reads past an error reply, authenticates, and a cluster value
-whose slot moved is read where it went. At store level a fetch adopts only what warm has room
+whose slot moved is read where it went, and after a failover reads reach the replica that took
+over. At store level a fetch adopts only what warm has room
 for, and neither a short warm nor a damaged value leaves a reserved slot behind."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -17,10 +19,10 @@ import redis
 import mooncakeutil
 from conftest import requires
 from kvstore.remote import mooncake, redis_backend  # noqa: F401 (they register the built-in backends)
-from kvstore.remote.backend import FAILED_CHECK, LANDED, MISSING, REMOTE_BACKENDS, WRONG_SIZE
+from kvstore.remote.backend import FAILED_CHECK, LANDED, MISSING, REMOTE_BACKENDS, WRONG_SIZE, RemoteDown
 from kvstore.remote.resp import ERROR, HandshakeRefused, LandingConnection
 from redisfixtures import cluster, single  # noqa: F401 (fixtures)
-from redisutil import RedisServer
+from redisutil import RedisServer, make_cluster
 from storeutil import fill_and_commit, make_store, settle, tokens_for
 
 HEAD = 40
@@ -223,3 +225,40 @@ def test_a_fetch_adopts_what_warm_has_room_for_and_leaves_no_slot_reserved(tmp_p
         _warm_accounted(b)
     finally:
         b.close()
+
+
+def test_after_a_failover_reads_reach_the_replica_that_took_over(tmp_path):
+    servers = make_cluster(tmp_path / "replicated", 3, 1, ("--cluster-node-timeout", "500"))
+    backend = None
+    try:
+        url = "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
+        stored = {f"f:{i}": os.urandom(HEAD + 2000) for i in range(30)}
+        client = redis.RedisCluster(host="127.0.0.1", port=servers[0].port)
+        put(client, stored)
+        client.close()
+        masters = [s for s in servers if _cli(s.port, "role").splitlines()[0] == "master"]
+        for s in masters:   # every write has reached the replica before its master goes
+            assert int(_cli(s.port, "wait", "1", "5000")) == 1
+        backend = REMOTE_BACKENDS.get("redis+cluster")(url, 1.0, "")
+        keys = list(stored)
+        check_landed(*land(backend, keys, 2000), keys, stored)
+        victim = next(s for s in masters if s.port == backend._node_of(keys[0])[1])
+        victim.proc.kill()
+        victim.proc.wait()
+        with pytest.raises(RemoteDown):
+            land(backend, keys, 2000)
+        deadline, codes = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            try:
+                codes, heads, targets = land(backend, keys, 2000)
+                break
+            except RemoteDown:
+                time.sleep(0.2)
+        assert codes is not None, "the reads never reached the replica that took over"
+        check_landed(codes, heads, targets, keys, stored)
+        assert backend._node_of(keys[0])[1] != victim.port
+    finally:
+        if backend is not None:
+            backend.close()
+        for s in servers:
+            s.stop()
