@@ -97,4 +97,6 @@ def test_report_of_mooncake(tmp_path):
     b = report["backends"]["mooncake"]
     assert b["url"].startswith("mooncake://127.0.0.1:") and b["url"].endswith(f"&segment={b['segment_bytes']}")
     assert b["reader_url"].endswith("&segment=0") and b["segment_bytes"] >= 1 << 30
+    assert b["client_kept_gbps"] > 0 and len(b["client_kept_s"]) == len(b["client_s"])
+    assert abs(b["ratio_to_client_kept"] - b["kvstore_gbps"] / b["client_kept_gbps"]) < 0.01
     assert list(tmp_path.iterdir()) == []
