@@ -156,7 +156,10 @@ class LLM:
         if self.fault is not None:
             self.fault(batch)
         for req in self.runner.execute(batch):
-            self._check_stop(req)
+            if req.error:
+                self._finish(req, "error")
+            else:
+                self._check_stop(req)
             changed.append(req)
         for req, _ in batch:
             if req.status is Status.RUNNING:

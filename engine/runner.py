@@ -1,7 +1,12 @@
-"""ModelRunner: runs one scheduled step on the hot tier's pages and samples the next tokens."""
+"""ModelRunner: runs one scheduled step on the hot tier's pages and samples the next tokens.
+
+A request whose row of logits cannot be sampled (a NaN in it, or a sampler error) fails alone:
+it gets no token and its `error` is set (the engine finishes it with finish_reason "error"); the
+other requests of the step go on."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -12,6 +17,8 @@ from engine.request import Request
 from engine.sampler import sample, token_logprobs
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.host import HostTier
+
+log = logging.getLogger("kvstore.engine")
 
 
 class ModelRunner:
@@ -59,9 +66,18 @@ class ModelRunner:
         now = time.monotonic()
         self.compute_seconds += now - t0
         for req, row in zip(sampled, logits):
-            token = sample(row, req.params, req.generator, req.tokens, len(req.prompt))
-            if req.logprobs is not None:
-                req.logprobs.append(token_logprobs(row, token, req.params.logprobs))
+            try:
+                if bool(torch.isnan(row).any()):
+                    raise FloatingPointError("the model's logits hold NaN")
+                token = sample(row, req.params, req.generator, req.tokens, len(req.prompt))
+                lp = token_logprobs(row, token, req.params.logprobs) if req.logprobs is not None else None
+            except Exception as exc:  # noqa: BLE001 - one request's bad row must not fail the others
+                req.error = f"sampling failed: {type(exc).__name__}: {exc}"
+                log.error("request %s: sampling failed (%s: %s); it alone ends with an error", req.id,
+                          type(exc).__name__, exc)
+                continue
+            if lp is not None:
+                req.logprobs.append(lp)
             req.tokens.append(token)
             if req.first_token_at is None:
                 req.first_token_at = now

@@ -245,3 +245,27 @@ def test_engine_penalties_follow_the_generated_tokens(llm):
     # repetition counts the prompt: the boosted token already in it loses the first pick
     assert generate(llm, PROMPT + [65], logit_bias=both, repetition_penalty=1.5)[0] == 66
     assert generate(llm, PROMPT + [66], logit_bias=both, repetition_penalty=1.5)[0] == 65
+
+
+def test_one_request_whose_logits_cannot_be_sampled_fails_alone(llm, monkeypatch, caplog):
+    """A NaN row (greedy: argmax would pick it silently; sampled: multinomial raises) fails its own
+    request with finish_reason "error"; the others of the step get exactly their tokens."""
+    other = [256, 5, 6, 7, 8]
+    params = dict(max_tokens=6, ignore_eos=True)
+    for extra in ({}, {"temperature": 1.0, "seed": 5}):
+        alone = llm.generate([PROMPT], SamplingParams(**params, **extra))[0].token_ids
+        forward = llm.runner.model.forward
+
+        def poisoned(ids, positions, attn, *args, **kwargs):
+            out = forward(ids, positions, attn, *args, **kwargs).clone()
+            if out.shape[0] == 2:   # the two requests sampled together: the second one's row is poisoned
+                out[1] = float("nan")
+            return out
+        monkeypatch.setattr(llm.runner.model, "forward", poisoned)
+        with caplog.at_level("ERROR", logger="kvstore.engine"):
+            good, bad = llm.generate([PROMPT, other], SamplingParams(**params, **extra))
+        monkeypatch.undo()
+        assert good.finish_reason == "length" and good.token_ids == alone
+        assert bad.finish_reason == "error" and "NaN" in bad.error and bad.token_ids == []
+        assert llm.failed_steps == 0 and any("sampling failed" in r.getMessage() for r in caplog.records)
+        assert llm.generate([other], SamplingParams(**params, **extra))[0].finish_reason == "length"
