@@ -97,8 +97,11 @@ async def wait_for_samples(admin, n: int, timeout_s: float = 30) -> dict:
         await asyncio.sleep(0.05)
 
 
-async def test_history_endpoint_serves_the_sampler(tmp_path):
+async def test_history_endpoint_serves_the_sampler(tmp_path, monkeypatch):
     async with running_admin(tmp_path, token=TOKEN) as admin:
+        made = []
+        namespace = type(admin.store).namespace
+        monkeypatch.setattr(type(admin.store), "namespace", lambda self, *a: made.append(a) or namespace(self, *a))
         assert (await admin.get("/v1/history", token=""))[0] == 401
         history = await sample_every(admin.app, 0.05)
         body = await wait_for_samples(admin, 3)   # the answers are checked against /openapi.json too
@@ -107,6 +110,7 @@ async def test_history_endpoint_serves_the_sampler(tmp_path):
                                              "high": admin.config.hot.high_watermark}
         server = body["server"]
         assert server["model"] is None and server["uptime_s"] > 0 and server["version"]
+        assert made == []   # a GET hashes no namespace: the default one was hashed when the app was made
         assert server["default_namespace"] == admin.store.namespace().digest.hex()
         ts = [s["t"] for s in body["samples"]]
         assert ts == sorted(ts) and ts[-1] <= time.time()
