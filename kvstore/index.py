@@ -249,6 +249,10 @@ class PageIndex:
     def in_tier(self, tier: str) -> Iterator[PageEntry]:
         return iter(self._members.get(tier, {}).values())   # a built-in tier not enabled holds nothing
 
+    def count_in(self, tier: str) -> int:
+        """How many pages `tier` holds (without walking them)."""
+        return len(self._members.get(tier, {}))
+
     # eviction order
     def victims(self, tier: str, n: int, ok: Callable[[PageEntry], bool],
                 policy: str | None = None) -> list[PageEntry]:

@@ -515,6 +515,11 @@ class TieredStore(WarmSharing, TierMaintenance):
                 return {k: (e.tier, e.namespace) for k, e in self.index.entries.items()}
             return {k: ((e.tier, e.namespace) if (e := self.index.get(k)) is not None else None) for k in keys}
 
+    def tier_pages(self) -> dict[str, int]:
+        """Pages per built-in tier, as stats()["tiers"][t]["pages"], without walking them (for samplers)."""
+        with self._lock:
+            return {name: self.index.count_in(name) for name in self.counts.tiers}
+
     def stats(self) -> dict:
         with self._lock:
             now = self.index.now()

@@ -358,3 +358,18 @@ def test_a_prefix_in_warm_comes_up_to_hot_in_one_batched_copy(store, monkeypatch
     assert after["tiers"]["hot"]["promotions"] - before["tiers"]["hot"]["promotions"] == 6
     store.release(got)
     assert store.audit()["problems"] == []
+
+
+def test_tier_pages_are_the_pages_stats_reports(tmp_path):
+    s = make_store(tmp_path, hot=4, warm=4)
+    try:
+        ns = s.namespace()
+        for doc in range(3):   # 9 pages through 4 hot and 4 warm: some reach cold
+            slots, _ = fill_and_commit(s, ns, tokens_for(doc, 3))
+            s.release(slots)
+            settle(s)
+        tiers = s.stats()["tiers"]
+        assert s.tier_pages() == {t: tiers[t]["pages"] for t in s.tier_pages()}
+        assert set(s.tier_pages()) >= {"hot", "warm", "cold"} and sum(s.tier_pages().values()) >= 9
+    finally:
+        s.close()

@@ -103,9 +103,9 @@ class EngineRunner(JobRunner):
 
     def sample(self) -> None:
         """Append the pages in each tier now to the outcome's samples."""
-        tiers = self.store.stats()["tiers"]
+        pages = self.store.tier_pages()   # counts, not store.stats(): that walks every page under the lock
         self.outcome.samples.append({"session": self.session, "seconds": _round(time.monotonic() - self.started),
-                                     "questions": self.outcome.answered, **{t: tiers[t]["pages"] for t in TIERS}})
+                                     "questions": self.outcome.answered, **{t: pages[t] for t in TIERS}})
 
     def _sampling(self, stop: threading.Event) -> None:
         """Sample at every multiple of sample_s from now (a late sample does not shift the next ones)."""

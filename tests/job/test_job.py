@@ -237,3 +237,21 @@ def test_a_bad_sample_interval_is_refused_before_anything_runs(tmp_path, capsys)
     assert main(["run", str(inp), "--out", str(out), "--sample-interval", "0", *FAST]) == 2
     assert "--sample-interval = 0.0: must be a number of seconds in [0.01, 3600]" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_occupancy_sampler_counts_pages_without_walking_the_store(tmp_path, capsys, monkeypatch):
+    """Samples every 0.01 s come from the index's counts (store.tier_pages), never store.stats(),
+    which walks every page under the store's lock; they still say how many pages each tier holds."""
+    from kvstore.store import TieredStore
+    walked = []
+    stats = TieredStore.stats
+    monkeypatch.setattr(TieredStore, "stats", lambda self: walked.append(1) or stats(self))
+    docs = [{"id": f"d{i}", "document": document(i, 60), "questions": questions(i, 2)} for i in range(3)]
+    inp = write_input(tmp_path / "in.jsonl", docs)
+    out = tmp_path / "ANSWERS.jsonl"
+    rc = main(["run", str(inp), "--out", str(out), "--max-tokens", "4", "--data-dir", str(tmp_path / "data"),
+               "--sample-interval", "0.01", *FAST])
+    assert rc == 0, capsys.readouterr().err
+    samples = read_jsonl(tmp_path / "ANSWERS.occupancy.jsonl")
+    assert len(samples) >= 2 and walked == []
+    assert samples[-1]["hot"] + samples[-1]["warm"] + samples[-1]["cold"] > 0
