@@ -8,7 +8,7 @@ from enum import Enum
 
 import torch
 
-from engine.sampler import SamplingParams
+from engine.sampler import SamplerState, SamplingParams
 from kvstore.errors import KVStoreError
 from kvstore.handle import CacheHandle
 from kvstore.index import CACHE_TIERS
@@ -73,6 +73,7 @@ class Request:
     text: str = ""
     logprobs: list[dict] | None = None
     generator: torch.Generator | None = None
+    sampler: SamplerState = field(default_factory=SamplerState)   # sample()'s state between its steps
     preemptions: int = 0
     preempted_step: int = -1               # the scheduler step that last preempted it
     load_tried: bool = False               # a load of its cached prefix was started (or not needed)

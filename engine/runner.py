@@ -69,7 +69,7 @@ class ModelRunner:
             try:
                 if bool(torch.isnan(row).any()):
                     raise FloatingPointError("the model's logits hold NaN")
-                token = sample(row, req.params, req.generator, req.tokens, len(req.prompt))
+                token = sample(row, req.params, req.generator, req.tokens, len(req.prompt), req.sampler)
                 lp = token_logprobs(row, token, req.params.logprobs) if req.logprobs is not None else None
             except Exception as exc:  # noqa: BLE001 - one request's bad row must not fail the others
                 req.error = f"sampling failed: {type(exc).__name__}: {exc}"

@@ -99,18 +99,55 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+class SamplerState:
+    """What sample() keeps for one request between steps, so that a step costs the same however long
+    the sequence: its logit_bias as tensors (built once), and for penalties which ids the sequence
+    holds (prompt and output) and how often each was generated, brought up to date with the tokens
+    added since the last step (never rebuilt from the whole sequence)."""
+
+    def __init__(self):
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.seen: torch.Tensor | None = None     # [vocab] bool: in prompt or output
+        self.counts: torch.Tensor | None = None   # [vocab] output counts
+        self.synced = 0                           # tokens folded into seen and counts
+
+    def bias_tensors(self, bias: dict[int, float], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.bias is None:
+            self.bias = _bias_tensors(bias, logits)
+        return self.bias
+
+    def penalty_tensors(self, tokens: Sequence[int], num_prompt: int, logits: torch.Tensor):
+        vocab = logits.numel()
+        if self.seen is None:
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            self.counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
+        new = [t for t in tokens[self.synced:] if t < vocab]
+        if new:
+            ids = torch.tensor(new, dtype=torch.long, device=logits.device)
+            self.seen[ids] = True
+            out = torch.tensor([t for i, t in enumerate(tokens[self.synced:], self.synced)
+                                if i >= num_prompt and t < vocab], dtype=torch.long, device=logits.device)
+            if out.numel():
+                self.counts.index_add_(0, out, torch.ones(out.numel(), dtype=logits.dtype, device=logits.device))
+        self.synced = len(tokens)
+        return self.seen, self.counts
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-           tokens: Sequence[int] = (), num_prompt: int = 0) -> int:
+           tokens: Sequence[int] = (), num_prompt: int = 0, state: SamplerState | None = None) -> int:
     """One token id from one row of logits [vocab] (fp32), which is left unchanged.
 
     tokens: the request's tokens so far, its num_prompt prompt tokens first. Order (vLLM V1's Sampler):
     logit_bias, penalties (repetition, frequency, presence), greedy argmax below GREEDY_BELOW, else
     temperature, min_p, top_k, top_p, the draw. Ids at or past the row's width (ids the tokenizer
-    cannot produce) are never sampled, so their bias and counts are ignored."""
+    cannot produce) are never sampled, so their bias and counts are ignored. `state`: the request's
+    SamplerState, kept between its steps (without one, everything is built from `tokens`)."""
+    state = state or SamplerState()
     if params.logit_bias:
-        logits = _add_bias(logits, params.logit_bias)
+        ids, values = state.bias_tensors(params.logit_bias, logits)
+        logits = logits.index_add(0, ids, values)
     if params.has_penalties:
-        logits = _penalize(logits, params, torch.tensor(tokens, dtype=torch.long), num_prompt)
+        logits = _penalize(logits, params, *state.penalty_tensors(tokens, num_prompt, logits))
     if params.temperature < GREEDY_BELOW:
         return int(logits.argmax())
     logits = logits / params.temperature
@@ -128,22 +165,21 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def _add_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+def _bias_tensors(bias: dict[int, float], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids inside the row and their biases, on the row's device."""
     ids = torch.tensor(list(bias), dtype=torch.long)
     values = torch.tensor(list(bias.values()), dtype=logits.dtype)
     inside = ids < logits.numel()
-    return logits.index_add(0, ids[inside].to(logits.device), values[inside].to(logits.device))
+    return ids[inside].to(logits.device), values[inside].to(logits.device)
 
 
-def _penalize(logits: torch.Tensor, params: SamplingParams, tokens: torch.Tensor, num_prompt: int) -> torch.Tensor:
-    """Repetition over prompt and output tokens, then frequency and presence over the output only."""
-    vocab = logits.numel()
+def _penalize(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Repetition over prompt and output tokens (seen), then frequency and presence over the output
+    only (counts)."""
     if params.repetition_penalty != 1:
-        seen = (torch.bincount(tokens, minlength=vocab)[:vocab] > 0).to(logits.device)
         penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
         logits = torch.where(seen, penalized, logits)
     if params.frequency_penalty or params.presence_penalty:
-        counts = torch.bincount(tokens[num_prompt:], minlength=vocab)[:vocab].to(logits.device)   # [vocab]
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
     return logits
 

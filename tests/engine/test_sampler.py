@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import InvalidRequest, sample
+from engine.sampler import InvalidRequest, SamplerState, sample
 
 
 def greedy(row, tokens=(), num_prompt=0, **params) -> int:
@@ -269,3 +269,38 @@ def test_one_request_whose_logits_cannot_be_sampled_fails_alone(llm, monkeypatch
         assert bad.finish_reason == "error" and "NaN" in bad.error and bad.token_ids == []
         assert llm.failed_steps == 0 and any("sampling failed" in r.getMessage() for r in caplog.records)
         assert llm.generate([other], SamplingParams(**params, **extra))[0].finish_reason == "length"
+
+
+PENALIZED = dict(repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4, logit_bias={3: 2.0, 9: -1.5})
+
+
+def test_the_kept_state_samples_as_the_whole_sequence_does():
+    """Step by step, a SamplerState kept across steps gives the tokens that rebuilding everything
+    from the whole sequence gives (greedy and seeded draws; ids past the row are ignored)."""
+    gen = torch.Generator().manual_seed(0)
+    for extra in ({}, {"temperature": 0.8}):
+        params = SamplingParams(**PENALIZED, **extra).validate(vocab_size=64)
+        tokens, state = [1, 3, 3, 70, 5], SamplerState()
+        g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+        for _ in range(30):
+            row = torch.randn(64, generator=gen)
+            kept = sample(row, params, g1, tokens, 5, state)
+            assert kept == sample(row, params, g2, tokens, 5)
+            tokens.append(kept)
+
+
+def test_a_step_folds_in_only_its_new_token_and_builds_the_bias_once(monkeypatch):
+    params = SamplingParams(**PENALIZED).validate(vocab_size=64)
+    tokens, state = list(range(40)), SamplerState()
+    sample(torch.randn(64), params, None, tokens, 40, state)
+    built = []
+    real = torch.tensor
+
+    def recording(data, *args, **kwargs):
+        built.append(len(data))
+        return real(data, *args, **kwargs)
+    monkeypatch.setattr(torch, "tensor", recording)
+    for step in range(10):
+        tokens.append(step % 64)
+        sample(torch.randn(64), params, None, tokens, 40, state)
+    assert built and max(built) <= 1   # one new id a step: never the whole sequence, never the bias again
