@@ -167,14 +167,16 @@ def add_history(app: web.Application, state) -> History:
     history = History(state.store, state.daemon, state.metrics, state.engine,
                       interval_s=config.admin.history_interval_s, size=config.admin.history_samples)
     app[HISTORY] = history
-    default_namespace = state.store.namespace("").digest.hex()   # fixed for the store's life: hashed once
+    default_namespace: list[str] = []   # fixed for the store's life: hashed at the first GET only
 
     async def serve(request: web.Request) -> web.Response:
+        if not default_namespace:
+            default_namespace.append(state.store.namespace("").digest.hex())
         cluster = request.app.get(CLUSTER)
         instance = cluster.index.id if cluster is not None else config.cluster.instance_id or socket.gethostname()
         server = {"model": state.model_name, "instance": instance,
                   "version": __version__, "uptime_s": round(time.monotonic() - state.started, 3),
-                  "default_namespace": default_namespace}
+                  "default_namespace": default_namespace[0]}
         watermarks = {t: {"low": getattr(config, t).low_watermark, "high": getattr(config, t).high_watermark}
                       for t in TIERS}
         return web.json_response({"interval_s": history.interval_s, "size": history.samples.maxlen,
