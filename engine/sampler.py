@@ -121,14 +121,13 @@ class SamplerState:
         if self.seen is None:
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             self.counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
-        new = [t for t in tokens[self.synced:] if t < vocab]
-        if new:
-            ids = torch.tensor(new, dtype=torch.long, device=logits.device)
-            self.seen[ids] = True
-            out = torch.tensor([t for i, t in enumerate(tokens[self.synced:], self.synced)
-                                if i >= num_prompt and t < vocab], dtype=torch.long, device=logits.device)
-            if out.numel():
-                self.counts.index_add_(0, out, torch.ones(out.numel(), dtype=logits.dtype, device=logits.device))
+        fresh = [(i, t) for i, t in enumerate(tokens[self.synced:], self.synced) if t < vocab]
+        if fresh:
+            self.seen[torch.tensor([t for _, t in fresh], dtype=torch.long, device=logits.device)] = True
+            out = [t for i, t in fresh if i >= num_prompt]
+            if out:
+                self.counts.index_add_(0, torch.tensor(out, dtype=torch.long, device=logits.device),
+                                       torch.ones(len(out), dtype=logits.dtype, device=logits.device))
         self.synced = len(tokens)
         return self.seen, self.counts
 

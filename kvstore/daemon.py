@@ -194,6 +194,18 @@ class Daemon:
             pending = list(self.index.dirty.values())
         return self.wait_clean(pending, timeout)
 
+    def take_room(self, n: int, timeout: float, add: Callable[[int], int]) -> int:
+        """For a producer of n new dirty pages: once they fit (room_for), add(k) caches at most k of
+        them under the store's lock and says how many it did; the writer is woken for them and the
+        rest are counted as refused. Returns add's answer."""
+        with self.room_for(n, timeout):
+            done = add(self.room(n))
+            if done:
+                self.wake()
+        if done < n:
+            self.refused(n - done)
+        return done
+
     def refused(self, pages: int) -> None:
         """A producer did not store `pages` pages for lack of room within its bound (counted)."""
         with self._cond:

@@ -254,22 +254,33 @@ class PageMover:
         """Read a chain of new pages from a read-only source (a peer's) into warm, as cached pages;
         returns how many of the chain are now cached (stops at the first that finds no room or
         whose parent is not cached)."""
-        stage, done = self.tiers[self.stage], 0
-        for h in headers:
+        stage = self.tiers[self.stage]
+
+        def place(i: int) -> int | None:
+            if not self.make_room(self.stage, 1):
+                return None
+            [slot] = stage.alloc(1)
+            if not source.read_into([headers[i]], stage, [slot]).result()[0]:
+                stage.evict([slot])
+                return None
+            return slot
+        return self.add_chain(headers, place, source.name)
+
+    def add_chain(self, headers: Sequence[RecordHeader], place: Callable[[int], int | None], source_name: str) -> int:
+        """Index a chain of new pages into warm: place(i) gives the warm slot holding headers[i]'s page
+        (None: it cannot; the chain stops). Pages cached already count and are not placed; the chain
+        stops at a page whose parent is not cached. Returns how many of the chain are now cached."""
+        done = 0
+        for i, h in enumerate(headers):
             if h.key not in self.index:
-                if not self.parent_cached(h) or not self.make_room(self.stage, 1):
+                if h.parent != h.namespace and h.parent not in self.index:
                     break
-                [slot] = stage.alloc(1)
-                if not source.read_into([h], stage, [slot]).result()[0]:
-                    stage.evict([slot])
+                slot = place(i)
+                if slot is None:
                     break
-                self.add_page(h, slot, source.name)
+                self.add_page(h, slot, source_name)
             done += 1
         return done
-
-    def parent_cached(self, h: RecordHeader) -> bool:
-        """Whether a new page's parent is cached (or it is a root), so it may join the index."""
-        return h.parent == h.namespace or h.parent in self.index
 
     def add_page(self, h: RecordHeader, slot: int, source_name: str) -> None:
         """Index a new page that lies in this warm slot, counted as moved from source_name."""

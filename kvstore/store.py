@@ -455,13 +455,9 @@ class TieredStore(WarmSharing, TierMaintenance):
         as cached pages; returns how many are now cached. The caller has verified them; their bytes
         are counted as `<source_name>_to_warm`."""
         source = PeerPages(self.spec, records, source_name)   # a read-only tier the mover reads into warm
-        with self.daemon.room_for(len(records), self.config.daemon.backpressure_timeout_s):
-            done = self.mover.admit(source, [header for header, _ in records[:self.daemon.room(len(records))]])
-            if done:
-                self.daemon.wake()
-        if done < len(records):
-            self.daemon.refused(len(records) - done)
-        return done
+        headers = [header for header, _ in records]
+        return self.daemon.take_room(len(records), self.config.daemon.backpressure_timeout_s,
+                                     lambda room: self.mover.admit(source, headers[:room]))
 
     def fetch_remote(self, tokens: Sequence[int], namespace: Namespace, known: int | None = None) -> tuple[int, int]:
         """Bring the pages of `tokens` that the remote tier holds beyond the cached prefix into warm.

@@ -41,22 +41,17 @@ class WarmLanding:
         """Cache the verified pages in these reserved slots (a chain whose first parent is cached or
         the root) as far as the bound on dirty pages lets it; frees every slot it does not keep and
         returns how many of the chain are now cached."""
-        with self.daemon.room_for(len(headers), self.timeout_s):
-            room = self.daemon.room(len(headers))
-            done, keep = 0, set()
-            for h, slot in zip(headers[:room], slots):
-                if h.key not in self.mover.index:
-                    if not self.mover.parent_cached(h):
-                        break
-                    self.mover.add_page(h, slot, self.source_name)
-                    keep.add(slot)
-                done += 1
-            self.warm.evict([s for s in slots if s not in keep])
-            if done:
-                self.daemon.wake()
-        if done < len(headers):
-            self.daemon.refused(len(headers) - done)
-        return done
+        kept: set[int] = set()
+
+        def place(i: int) -> int:   # the page already lies in its slot
+            kept.add(slots[i])
+            return slots[i]
+
+        def add(room: int) -> int:
+            done = self.mover.add_chain(headers[:room], place, self.source_name)
+            self.warm.evict([s for s in slots if s not in kept])   # under the lock, as add_chain
+            return done
+        return self.daemon.take_room(len(headers), self.timeout_s, add)
 
     def release(self, slots: Sequence[int]) -> None:
         """Free reserved slots nothing was adopted into."""

@@ -138,6 +138,8 @@ class RedisBackend(RemoteBackend):
 
     def get_into(self, keys: Sequence[str], heads: Sequence[np.ndarray], targets: Sequence[np.ndarray],
                  check: Check | None = None) -> list[int]:
+        """One pipeline per node (the values land in the caller's memory, so a batch needs no bound
+        here: the remote tier asks READ_CHUNK keys a call)."""
         if not self._direct:
             return super().get_into(keys, heads, targets, check)
         by_node: dict[tuple[str, int], list[int]] = {}
@@ -146,18 +148,16 @@ class RedisBackend(RemoteBackend):
             for i, key in enumerate(keys):
                 by_node.setdefault(self._node_of(key), []).append(i)
             conns = {node: self._landing_connection(node) for node in by_node}
-            for i in range(0, len(keys), _CHUNK):
-                for node, idx in by_node.items():
-                    conns[node].send_gets([keys[j] for j in idx if i <= j < i + _CHUNK])
-                for node, idx in by_node.items():
-                    part = [j for j in idx if i <= j < i + _CHUNK]
-                    got = conns[node].read_into([heads[j] for j in part], [targets[j] for j in part],
-                                                None if check is None else lambda k, part=part: check(part[k]))
-                    messages = iter(conns[node].errors)
-                    for j, code in zip(part, got):
-                        codes[j] = code
-                        if code == ERROR:
-                            errors[j] = next(messages, "")
+            for node, idx in by_node.items():
+                conns[node].send_gets([keys[j] for j in idx])
+            for node, idx in by_node.items():
+                got = conns[node].read_into([heads[j] for j in idx], [targets[j] for j in idx],
+                                            None if check is None else lambda k, idx=idx: check(idx[k]))
+                messages = iter(conns[node].errors)
+                for j, code in zip(idx, got):
+                    codes[j] = code
+                    if code == ERROR:
+                        errors[j] = next(messages, "")
         except HandshakeRefused as exc:
             self._drop_landing(by_node)
             self._refused(exc)
