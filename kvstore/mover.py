@@ -251,9 +251,7 @@ class PageMover:
                 self.index.remove(e)
 
     def admit(self, source: Tier, headers: Sequence[RecordHeader]) -> int:
-        """Read a chain of new pages from a read-only source (a peer's) into warm, as cached pages;
-        returns how many of the chain are now cached (stops at the first that finds no room or
-        whose parent is not cached)."""
+        """add_chain of new pages read from a read-only source (a peer's) into free warm slots."""
         stage = self.tiers[self.stage]
 
         def place(i: int) -> int | None:
@@ -267,9 +265,8 @@ class PageMover:
         return self.add_chain(headers, place, source.name)
 
     def add_chain(self, headers: Sequence[RecordHeader], place: Callable[[int], int | None], source_name: str) -> int:
-        """Index a chain of new pages into warm: place(i) gives the warm slot holding headers[i]'s page
-        (None: it cannot; the chain stops). Pages cached already count and are not placed; the chain
-        stops at a page whose parent is not cached. Returns how many of the chain are now cached."""
+        """Index a chain of new pages in warm, place(i) giving the slot holding headers[i]'s page (None:
+        the chain stops there, as at an uncached parent); returns how many of the chain are cached."""
         done = 0
         for i, h in enumerate(headers):
             if h.key not in self.index:
@@ -278,18 +275,14 @@ class PageMover:
                 slot = place(i)
                 if slot is None:
                     break
-                self.add_page(h, slot, source_name)
+                parent = self.index.get(h.parent)
+                e = self.index.add(PageEntry(h.key, h.parent, h.namespace, h.tokens,
+                                             depth=parent.depth + 1 if parent else 0))
+                self.index.place(e, self.stage, slot)
+                self.count("move", source_name, 1, self.stage)
+                self.emit("add", h.key, self.stage)
             done += 1
         return done
-
-    def add_page(self, h: RecordHeader, slot: int, source_name: str) -> None:
-        """Index a new page that lies in this warm slot, counted as moved from source_name."""
-        parent = self.index.get(h.parent)
-        e = self.index.add(PageEntry(h.key, h.parent, h.namespace, h.tokens,
-                                     depth=parent.depth + 1 if parent else 0))
-        self.index.place(e, self.stage, slot)
-        self.count("move", source_name, 1, self.stage)
-        self.emit("add", h.key, self.stage)
 
     # writes to cold
     def plan_write(self, entries: list[PageEntry]) -> WritePlan:
