@@ -110,7 +110,7 @@ async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> Non
     from kvstore.cluster.node import CLUSTER, ClusterNode, make_prefetch
     from kvstore.server.admin import admin_url, create_admin_app, set_draining, start_admin
     from kvstore.server.metrics import Metrics
-    from kvstore.store import INDEX_WAIT_S
+    from kvstore.store.tiered import INDEX_WAIT_S
 
     for key, host, port in (("server.port", config.server.host, config.server.port),
                             ("admin.port", config.admin.host, config.admin.port)):

@@ -32,7 +32,7 @@ from engine.config import Config, key_paths, load_config
 from kvstore.config import Config as StoreConfig
 from kvstore.config import key_paths as store_key_paths
 from kvstore.errors import ConfigError
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.device import resolve_device
 
 _ids = itertools.count()

@@ -11,7 +11,7 @@ import torch
 from engine.model import LlamaModel, rope_inv_freq
 from engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kvstore.errors import ConfigError
-from kvstore.shapes import PRESETS, ModelShape, from_hf_config
+from kvstore.pages.shapes import PRESETS, ModelShape, from_hf_config
 
 
 @dataclass
@@ -27,7 +27,7 @@ class LoadedModel:
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
                prepack: bool = False) -> LoadedModel:
-    """`model` is a preset name (kvstore.shapes.PRESETS: random weights drawn from `seed`) or a
+    """`model` is a preset name (kvstore.pages.shapes.PRESETS: random weights drawn from `seed`) or a
     Hugging Face model directory (config.json, *.safetensors, tokenizer.json). `prepack` also keeps
     the projections' weights in oneDNN's layout (CPU; engine.model.Projection)."""
     if model in PRESETS:

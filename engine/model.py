@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionBatch
-from kvstore.shapes import ModelShape
+from kvstore.pages.shapes import ModelShape
 
 
 class RMSNorm(nn.Module):

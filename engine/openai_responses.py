@@ -9,7 +9,7 @@ import itertools
 from dataclasses import dataclass
 
 from engine.request import RequestOutput
-from kvstore.index import CACHE_TIERS
+from kvstore.placement.index import CACHE_TIERS
 from engine.sampler import SamplingParams
 
 

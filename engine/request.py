@@ -10,9 +10,9 @@ import torch
 
 from engine.sampler import SamplerState, SamplingParams
 from kvstore.errors import KVStoreError
-from kvstore.handle import CacheHandle
-from kvstore.index import CACHE_TIERS
-from kvstore.keys import Namespace
+from kvstore.pages.keys import Namespace
+from kvstore.placement.index import CACHE_TIERS
+from kvstore.store.handle import CacheHandle
 
 
 class QueueFull(KVStoreError):

@@ -20,7 +20,7 @@ from its cached pages. A request alone that outgrows the hot tier spills its old
 pages to warm (torch backend) instead of failing. Under `preemptive`, a waiting request may
 preempt running ones of lower priority.
 
-The scheduler deals in token budgets and cache handles (kvstore.handle.CacheHandle): it never
+The scheduler deals in token budgets and cache handles (kvstore.store.handle.CacheHandle): it never
 reads a tier's internals or computes a page key.
 """
 
@@ -30,7 +30,7 @@ import time
 
 from engine.config import Config
 from kvstore.errors import OutOfCapacity
-from kvstore.store import Match, TieredStore
+from kvstore.store.tiered import Match, TieredStore
 
 from engine.request import QueueFull, Request, Status
 

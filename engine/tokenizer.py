@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.sampler import InvalidRequest
 from kvstore.errors import ConfigError
-from kvstore.shapes import PRESETS
+from kvstore.pages.shapes import PRESETS
 
 
 def check_text(text: str, name: str = "text") -> str:

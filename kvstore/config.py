@@ -18,7 +18,7 @@ from typing import Any, Callable, ClassVar, Mapping
 import yaml
 
 from kvstore.errors import ConfigError
-from kvstore.spec import DTYPES, KVSpec, canonical_dtype, is_power_of_two
+from kvstore.pages.spec import DTYPES, KVSpec, canonical_dtype, is_power_of_two
 
 ENV_PREFIX = "KVSTORE_"
 ENV_CONFIG_FILE = "KVSTORE_CONFIG"
@@ -116,7 +116,7 @@ def _unit(v: float) -> bool:
 
 
 def _policy_names() -> list[str]:
-    from kvstore.policy import policy_names
+    from kvstore.placement.policy import policy_names
     return policy_names()
 
 
@@ -293,7 +293,7 @@ class Config:
         return "bfloat16" if device.startswith("cuda") else "float32"
 
     def kv_spec(self, device: str = "cpu") -> KVSpec:
-        from kvstore.shapes import load_shape
+        from kvstore.pages.shapes import load_shape
         return load_shape(self.model).kv_spec(self.resolved_kv_dtype(device), self.page_size)
 
     def to_dict(self, redact: bool = False) -> dict:

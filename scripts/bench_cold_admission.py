@@ -59,7 +59,7 @@ import time  # noqa: E402
 
 import aiohttp  # noqa: E402
 
-from kvstore.index import CACHE_TIERS  # noqa: E402
+from kvstore.placement.index import CACHE_TIERS  # noqa: E402
 
 BOS = 256               # the byte tokenizer's, and tiny-16k's
 QUESTION_TOKENS = 24
@@ -86,7 +86,7 @@ def write_tiny_16k(path: Path, seed: int = 0) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     from engine.model import LlamaModel
-    from kvstore.shapes import from_hf_config
+    from kvstore.pages.shapes import from_hf_config
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({
@@ -124,7 +124,7 @@ def _byte_of(char: str) -> int:
 
 
 def kv_bytes_per_token(model: str) -> int:
-    from kvstore.shapes import load_shape
+    from kvstore.pages.shapes import load_shape
 
     return load_shape(model).kv_spec("float32", 16).page_bytes // 16
 

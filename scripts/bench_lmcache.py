@@ -57,11 +57,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from kvstore.tools.bench import chained_headers, drop_file_cache  # noqa: E402
-from kvstore.keys import Namespace  # noqa: E402
-from kvstore.record import PREFIX_BYTES  # noqa: E402
-from kvstore.spec import KVSpec  # noqa: E402
+from kvstore.pages.keys import Namespace  # noqa: E402
+from kvstore.pages.record import PREFIX_BYTES  # noqa: E402
+from kvstore.pages.spec import KVSpec  # noqa: E402
 from kvstore.tiers.disk import DiskTier  # noqa: E402
+from kvstore.tools.bench import chained_headers, drop_file_cache  # noqa: E402
 
 SPEC = KVSpec(30, 3, 64, "float32", 16)   # SmolLM2-135M: 30 layers, 3 KV heads, head dim 64
 CHUNK = 256                               # LMCache's default chunk size, in tokens

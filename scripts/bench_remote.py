@@ -85,13 +85,13 @@ import xxhash  # noqa: E402
 
 from kvstore.config import load_config  # noqa: E402
 from kvstore.errors import OutOfCapacity  # noqa: E402
-from kvstore.keys import page_keys  # noqa: E402
-from kvstore.record import PREFIX_BYTES  # noqa: E402
+from kvstore.pages.keys import page_keys  # noqa: E402
+from kvstore.pages.record import PREFIX_BYTES  # noqa: E402
+from kvstore.pages.spec import KVSpec  # noqa: E402
 from kvstore.remote.mooncake import parse_url as parse_mooncake_url  # noqa: E402
 from kvstore.remote.redis_backend import READ_BUFFER  # noqa: E402
 from kvstore.remote.tier import READ_CHUNK  # noqa: E402
-from kvstore.spec import KVSpec  # noqa: E402
-from kvstore.store import TieredStore  # noqa: E402
+from kvstore.store.tiered import TieredStore  # noqa: E402
 import mooncakeutil  # noqa: E402   (imports mooncake only when asked whether it is installed)
 from redisutil import RedisServer, make_cluster  # noqa: E402
 

@@ -450,7 +450,7 @@ def main() -> None:
         print("bench_remote_ttft: redis-server is not installed (scripts/bootstrap installs it)", file=sys.stderr)
         sys.exit(2)
 
-    from kvstore.shapes import load_shape
+    from kvstore.pages.shapes import load_shape
     from redisutil import RedisServer
 
     tiny = args.model == "tiny"

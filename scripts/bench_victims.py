@@ -20,9 +20,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvstore.index import PageEntry, PageIndex  # noqa: E402
-from kvstore.mover import PageMover  # noqa: E402
-from kvstore.policy import pick  # noqa: E402
+from kvstore.movement.mover import PageMover  # noqa: E402
+from kvstore.placement.index import PageEntry, PageIndex  # noqa: E402
+from kvstore.placement.policy import pick  # noqa: E402
 
 CHAIN = 8
 TRIM = 1000

@@ -15,9 +15,9 @@ from collections import deque
 
 import numpy as np
 
-from kvstore.keys import Namespace, chain_key, tokens_bytes
-from kvstore.record import RecordHeader
-from kvstore.spec import KVSpec
+from kvstore.pages.keys import Namespace, chain_key, tokens_bytes
+from kvstore.pages.record import RecordHeader
+from kvstore.pages.spec import KVSpec
 from kvstore.tiers.disk import DiskTier
 
 SPEC = KVSpec(4, 2, 64, "float32", 16)   # 64 KiB pages

@@ -10,10 +10,10 @@ import torch
 
 from kvstore.config import load_config
 from kvstore.errors import OutOfCapacity
-from kvstore.keys import Namespace, page_keys, tokens_bytes
-from kvstore.record import PREFIX_BYTES, RecordHeader
-from kvstore.spec import KVSpec
-from kvstore.store import TieredStore
+from kvstore.pages.keys import Namespace, page_keys, tokens_bytes
+from kvstore.pages.record import PREFIX_BYTES, RecordHeader
+from kvstore.pages.spec import KVSpec
+from kvstore.store.tiered import TieredStore
 
 # TEST_HOT_DEVICE=cuda runs the store tests with the hot tier on the GPU.
 HOT_DEVICE = os.environ.get("TEST_HOT_DEVICE", "cpu")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from kvstore.move_stats import MoveStats, directions
+from kvstore.movement.move_stats import MoveStats, directions
 from tests.storeutil import SPEC, fill_and_commit, hold, make_store, settle, tokens_for
 
 PB = SPEC.page_bytes

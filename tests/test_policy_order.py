@@ -12,9 +12,9 @@ import heapq
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvstore.index import PageEntry, PageIndex
-from kvstore.mover import TIERS, PageMover
-from kvstore.policy import POLICIES, policy_names
+from kvstore.movement.mover import TIERS, PageMover
+from kvstore.placement.index import PageEntry, PageIndex
+from kvstore.placement.policy import POLICIES, policy_names
 
 POLICY_NAMES = policy_names()
 OPS = ("add", "add", "orphan", "hot", "warm", "cold", "touch", "hit", "acquire", "commit_ref", "release",

@@ -10,8 +10,8 @@ import pytest
 from conftest import REPO, clean_env
 
 from kvstore.errors import ConfigError
-from kvstore.keys import KEY_BYTES, Namespace, chain_key, page_keys
-from kvstore.shapes import PRESETS, from_hf_config, load_shape
+from kvstore.pages.keys import KEY_BYTES, Namespace, chain_key, page_keys
+from kvstore.pages.shapes import PRESETS, from_hf_config, load_shape
 
 MIB = 1 << 20
 
@@ -163,7 +163,7 @@ def test_namespace_for_spec_binds_the_geometry():
 
 
 _KEYS_SCRIPT = """
-from kvstore.keys import Namespace, page_keys
+from kvstore.pages.keys import Namespace, page_keys
 ns = Namespace(model="llama-3-8b", kv_dtype="bfloat16", tenant="t1", salt="s")
 print(" ".join(k.hex() for k in page_keys(ns, list(range(1000, 1069)), 16)))
 """

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvstore.errors import KVStoreError, OutOfCapacity
-from kvstore.keys import Namespace, page_keys, tokens_bytes
-from kvstore.record import RecordHeader
-from kvstore.spec import KVSpec
+from kvstore.pages.keys import Namespace, page_keys, tokens_bytes
+from kvstore.pages.record import RecordHeader
+from kvstore.pages.spec import KVSpec
 from storeutil import SPEC, expected_page, fill_and_commit, hold, make_store, settle, tokens_for
 
 
@@ -280,7 +280,7 @@ def test_write_through_copies_committed_pages_down(tmp_path):
 
 
 def test_open_serves_at_once_and_indexes_cold_in_the_background(tmp_path):
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
     from storeutil import make_config
     s = make_store(tmp_path, hot=8, warm=8, cold=64)
     ns = s.namespace()

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore.errors import OutOfCapacity
-from kvstore.keys import page_keys
+from kvstore.pages.keys import page_keys
 from storeutil import SPEC, expected_page, make_store, settle
 
 PS = SPEC.page_size

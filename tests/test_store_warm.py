@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstore.errors import KVStoreError, OutOfCapacity
-from kvstore.keys import page_keys
+from kvstore.pages.keys import page_keys
 from storeutil import SPEC, expected_page, fill_and_commit, make_store, settle, tokens_for
 
 PS = SPEC.page_size

@@ -17,7 +17,7 @@ import torch
 from engine.llm import LLM
 from kvstore.config import parse_set
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.shapes import PRESETS, load_shape
+from kvstore.pages.shapes import PRESETS, load_shape
 
 MiB, GiB = 1 << 20, 1 << 30
 

@@ -18,7 +18,7 @@ import torch
 from app.bench.common import _sync, hf_generate
 from engine.sampler import SamplingParams
 from kvstore.errors import KVStoreError
-from kvstore.keys import page_keys
+from kvstore.pages.keys import page_keys
 
 
 WORKER = Path(__file__).with_name("vllm_worker.py")   # runs in vLLM's venv

@@ -16,7 +16,7 @@ from app.bench.common import (GiB, MiB, _backend_name, discard, hf_generate, hf_
 from engine.sampler import SamplingParams
 from kvstore.config import format_size
 from kvstore.errors import KVStoreError
-from kvstore.keys import page_keys
+from kvstore.pages.keys import page_keys
 
 QA_GOALS = {"warm_speedup": 10.0, "cold_speedup": 5.0}   # recompute TTFT / cached TTFT
 

@@ -13,7 +13,7 @@ from aiohttp import web
 from kvstore.cluster.peer import NO_TOKEN, PeerFetcher, serve_pages
 from kvstore.cluster.redis_index import REMOTE, RedisIndex
 from kvstore.config import Config
-from kvstore.keys import Namespace, page_keys
+from kvstore.pages.keys import Namespace, page_keys
 
 log = logging.getLogger("kvstore.cluster")
 CLUSTER: web.AppKey = web.AppKey("kvstore.cluster", object)

@@ -2,7 +2,7 @@
 
 The serving side answers `POST /v1/peer/pages` (JSON {"namespace": hex, "keys": [hex, ...]},
 a prefix chain) with a stream of frames, each a 4-byte big-endian length and one page record
-in the cold tier's format (kvstore.record: header, checksum, page bytes), in chain order,
+in the cold tier's format (kvstore.pages.record: header, checksum, page bytes), in chain order,
 ending at the first page it does not hold. It requires the cluster token as a bearer token:
 without cluster.token an instance serves no pages to peers (403) and fetches none from them
 (whatever a peer requires, an empty token never matches it).
@@ -27,9 +27,9 @@ from typing import Callable, Sequence
 import aiohttp
 from aiohttp import web
 
-from kvstore import record
 from kvstore.errors import KVStoreError
-from kvstore.keys import Namespace, page_keys, tokens_bytes
+from kvstore.pages import record
+from kvstore.pages.keys import Namespace, page_keys, tokens_bytes
 
 log = logging.getLogger("kvstore.peer")
 FRAME = struct.Struct(">I")

@@ -10,9 +10,9 @@ import os
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError
+from kvstore.pages.spec import KVSpec
 from kvstore.remote.backend import REMOTE_BACKENDS, RemoteBackend, RemoteDown
 from kvstore.remote.tier import RemoteTier
-from kvstore.spec import KVSpec
 
 __all__ = ["RemoteBackend", "RemoteDown", "RemoteTier", "open_remote"]
 

@@ -1,6 +1,6 @@
 """RemoteBackend: one distributed key-value store the remote tier keeps page records in.
 
-A backend moves opaque values (page records in kvstore.record's format) under string keys; it
+A backend moves opaque values (page records in kvstore.pages.record's format) under string keys; it
 knows nothing of pages, chains or checksums (the remote tier verifies every value it reads).
 Backends are registered by URL scheme in REMOTE_BACKENDS (entry point group `kvstore.remote`)
 and built as `factory(url, timeout_s, password)` (password: from the environment variable
@@ -37,7 +37,7 @@ import numpy as np
 
 from kvstore.config import redact_secret
 from kvstore.errors import KVStoreError
-from kvstore.registry import Registry
+from kvstore.placement.registry import Registry
 
 
 LANDED, MISSING, WRONG_SIZE, FAILED_CHECK = 1, 0, -1, -2   # get_into's answers per key

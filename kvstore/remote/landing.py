@@ -2,7 +2,7 @@
 
 A fetch reserves slots (outside the index, so nothing else sees or evicts them), has the backend
 receive each record's page straight into its slot (and its head beside it), verifies it where it
-landed (kvstore.record.check_landed), then adopts the good ones into the index as one chain and
+landed (kvstore.pages.record.check_landed), then adopts the good ones into the index as one chain and
 frees the rest. No page is copied after it arrives; a page that failed verification was never
 indexed, so it is never served. What it is given is the store's narrow core: its lock, its mover,
 its daemon (the bound on dirty pages: a fetched page is dirty until written to cold) and warm.
@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvstore.record import RecordHeader
+from kvstore.pages.record import RecordHeader
 
 
 class WarmLanding:

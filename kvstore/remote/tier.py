@@ -17,7 +17,7 @@ cold (the cold record is the remote value) and sends them in one pipelined batch
 remote.queue_pages wait; beyond that the oldest are skipped and counted (cold still holds them).
 
 Keys: `<remote.key_prefix>page:<namespace digest hex>:<page key hex>`. A value is a page record
-in kvstore.record's format, so a reader checks it whatever wrote it.
+in kvstore.pages.record's format, so a reader checks it whatever wrote it.
 
 Capacity: remote.max_bytes is this instance's budget: past it, the oldest records it wrote are
 deleted. The remote store's own eviction (Redis `maxmemory` with `allkeys-lru`, Mooncake's)
@@ -41,13 +41,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvstore import record
 from kvstore.config import RemoteConfig, redact_secret
 from kvstore.errors import KVStoreError
-from kvstore.record import RecordHeader
+from kvstore.pages import record
+from kvstore.pages.record import RecordHeader
+from kvstore.pages.spec import KVSpec
 from kvstore.remote.backend import LANDED, MISSING, RemoteBackend, RemoteDown
 from kvstore.remote.landing import WarmLanding
-from kvstore.spec import KVSpec
 
 log = logging.getLogger("kvstore.remote")
 
@@ -161,7 +161,7 @@ class RemoteTier:
         (READ_CHUNK pages); returns the pages cached. keys[i] is the page whose tokens are
         tokens[i], parent the key before keys[0] (the namespace digest for page 0). `known`: how
         many the prefix index says it holds (None: read until a page is missing). With `roots`
-        every page's parent is `parent` (named pages: kvstore.keys). The next chunk is read while
+        every page's parent is `parent` (named pages: kvstore.pages.keys). The next chunk is read while
         one is adopted. Blocks for network round trips: for worker threads. Never raises: failures
         are misses."""
         headers = []

@@ -28,8 +28,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstore.index import CACHE_TIERS
-from kvstore.move_stats import DROP_REASONS
+from kvstore.movement.move_stats import DROP_REASONS
+from kvstore.placement.index import CACHE_TIERS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TIERS = ("hot", "warm", "cold")

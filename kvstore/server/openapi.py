@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 
 from kvstore import __version__
-from kvstore.index import CACHE_TIERS
-from kvstore.move_stats import DROP_REASONS
+from kvstore.movement.move_stats import DROP_REASONS
+from kvstore.placement.index import CACHE_TIERS
 
 HEX_KEY = "^[0-9a-fA-F]{64}$"
 MAX_TOKEN_ID = 2**31 - 1

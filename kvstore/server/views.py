@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import heapq
 
-from kvstore.index import PageEntry
-from kvstore.mover import TIERS
+from kvstore.movement.mover import TIERS
+from kvstore.placement.index import PageEntry
 
 
 def _page_json(e: PageEntry, now: float, page_size: int) -> dict:

@@ -36,9 +36,9 @@ from typing import Any, Sequence
 
 import torch
 
+from kvstore.pages.spec import KVSpec
 from kvstore.sidecar.client_ops import ClientOps, Lease, Lookup, Op, map_segment, populate_mapping, step
 from kvstore.sidecar.protocol import HEADER, NotStored, SidecarError, SidecarUnavailable, decode_reply
-from kvstore.spec import KVSpec
 
 __all__ = ["AsyncSidecarClient", "Lease", "Lookup", "NotStored", "SidecarClient", "SidecarError",
            "SidecarUnavailable", "map_segment", "populate_mapping"]

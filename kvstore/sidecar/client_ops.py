@@ -17,8 +17,8 @@ from typing import Any, Generator, Sequence
 import numpy as np
 import torch
 
+from kvstore.pages.spec import KVSpec
 from kvstore.sidecar.protocol import NotStored, SidecarError, SidecarUnavailable, frame_parts, spec_fields
-from kvstore.spec import KVSpec
 from kvstore.tiers.base import runs
 
 FRAME_SLACK = 4096   # a bytes frame's room for everything but its pages and tokens

@@ -21,7 +21,7 @@ Keys travel as hex strings.
     put      {tokens, pages: [bytes], start_page} -> {keys, not_stored}   fallback: the bytes come in
              the frame; the pages that fit are stored, not_stored {start_page, pages, why} names the rest
     put      {names, slots | pages}               -> the same for named pages (start_page 0): slot i
-             holds the page the engine calls names[i] (kvstore.keys: a name stands for its whole prefix)
+             holds the page the engine calls names[i] (kvstore.pages.keys: a name stands for its whole prefix)
     get      {tokens | keys | names, max_pages, start_page}  -> {keys, slots, cached}   leased warm slots of
              pages start_page.. of the cached prefix (cached: its length in pages; with keys or names, their number)
     get      {..., bytes: true}                   -> {keys, pages, cached}   fallback: bytes, no lease
@@ -44,8 +44,8 @@ from typing import Any
 import msgpack
 
 from kvstore.errors import KVStoreError
-from kvstore.keys import KEY_BYTES, NAME_MAX
-from kvstore.spec import KVSpec
+from kvstore.pages.keys import KEY_BYTES, NAME_MAX
+from kvstore.pages.spec import KVSpec
 
 HEADER = struct.Struct(">I")
 SPEC_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size")

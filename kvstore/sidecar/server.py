@@ -36,12 +36,12 @@ import numpy as np
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.keys import Namespace, named_key
+from kvstore.pages.keys import Namespace, named_key
 from kvstore.sidecar.protocol import (SPEC_FIELDS, ProtocolError, decode_request, encode_frame, error_frame, get_count,
                               get_field, get_ints, get_keys, get_names, get_tokens, one_line, read_frame, spec_fields)
+from kvstore.pages.spec import KVSpec
 from kvstore.sidecar.session import Session
-from kvstore.spec import KVSpec
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger("kvstore.sidecar")
 

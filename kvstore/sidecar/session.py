@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvstore.errors import KVStoreError
-from kvstore.keys import Namespace
+from kvstore.pages.keys import Namespace
 
 
 @dataclass(eq=False)

@@ -38,8 +38,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvstore.registry import Registry
-from kvstore.spec import KVSpec
+from kvstore.pages.spec import KVSpec
+from kvstore.placement.registry import Registry
 
 TIER_BACKENDS: Registry[Callable[..., "Tier"]] = Registry("tier backend", "kvstore.tiers")
 

@@ -17,7 +17,7 @@ import torch
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError
-from kvstore.spec import KVSpec
+from kvstore.pages.spec import KVSpec
 from kvstore.tiers import device, disk, host  # noqa: F401 (they register the built-in backends)
 from kvstore.tiers.base import TIER_BACKENDS, Tier
 

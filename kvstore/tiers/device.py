@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.spec import KVSpec
+from kvstore.pages.spec import KVSpec
 from kvstore.tiers.base import TIER_BACKENDS, SlotPool, SlotTier, done, runs
 from kvstore.tiers.host import HostTier
 

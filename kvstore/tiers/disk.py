@@ -7,7 +7,7 @@ lmdb_env.py. The rules below are the whole tier's.
 Rules:
 - It stores and deletes whole records under their page key, in the LMDB sub-database
   `pages` (`quarantine` holds what `kvstore fsck --repair` set aside). Values are
-  kvstore.record records: header, checksum, page bytes. It never decides what to evict.
+  kvstore.pages.record records: header, checksum, page bytes. It never decides what to evict.
 - Its accounting (bytes and count of the records in `pages`) lives in the sub-database
   `meta`, rewritten by every write transaction, so opening a store reads two numbers,
   whatever its size. The size of a stored record is looked up in LMDB when a write needs
@@ -72,11 +72,11 @@ from typing import Iterable, Sequence
 
 import lmdb
 
-from kvstore import record
 from kvstore.datadir import make_private_dirs
 from kvstore.errors import DamagedStore, KVStoreError
-from kvstore.record import RecordHeader
-from kvstore.spec import KVSpec
+from kvstore.pages import record
+from kvstore.pages.record import RecordHeader
+from kvstore.pages.spec import KVSpec
 from kvstore.tiers.base import TIER_BACKENDS, Tier, done
 from kvstore.tiers.buffers import MiB, RemapLock, keep_write_buffers, round_up
 from kvstore.tiers.lmdb_env import (META_DB, PAGES_DB, QUARANTINE_DB, ColdFull,  # noqa: F401 (re-exported)

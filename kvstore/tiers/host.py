@@ -19,7 +19,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from kvstore.spec import KVSpec
+from kvstore.pages.spec import KVSpec
 from kvstore.tiers.base import TIER_BACKENDS, SlotPool, SlotTier
 from kvstore.tiers.buffers import as_byte_view
 

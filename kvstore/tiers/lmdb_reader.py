@@ -17,9 +17,9 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import lmdb
 import numpy as np
 
-from kvstore import record
 from kvstore.errors import KVStoreError
-from kvstore.record import RecordError, RecordHeader
+from kvstore.pages import record
+from kvstore.pages.record import RecordError, RecordHeader
 from kvstore.tiers.buffers import MiB, as_byte_array
 
 _SCAN_CHUNK = 4096              # records read per read transaction in scan() and sizes()

@@ -18,9 +18,9 @@ from typing import Iterable
 
 import lmdb
 
-from kvstore import record
 from kvstore.errors import KVStoreError
-from kvstore.record import RecordHeader
+from kvstore.pages import record
+from kvstore.pages.record import RecordHeader
 from kvstore.tiers.buffers import MiB, as_byte_view, early_writeback, keep_write_buffers
 from kvstore.tiers.lmdb_env import ColdFull, write_totals
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Sequence
 
-from kvstore.record import RecordHeader
-from kvstore.spec import KVSpec
+from kvstore.pages.record import RecordHeader
+from kvstore.pages.spec import KVSpec
 from kvstore.tiers.base import Tier, done
 
 

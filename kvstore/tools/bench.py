@@ -35,10 +35,10 @@ import torch
 
 from kvstore.config import format_size
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.keys import Namespace, page_keys, tokens_bytes
-from kvstore.record import PREFIX_BYTES, RecordHeader
-from kvstore.shapes import PRESETS, load_shape
-from kvstore.spec import KVSpec, canonical_dtype
+from kvstore.pages.keys import Namespace, page_keys, tokens_bytes
+from kvstore.pages.record import PREFIX_BYTES, RecordHeader
+from kvstore.pages.shapes import PRESETS, load_shape
+from kvstore.pages.spec import KVSpec, canonical_dtype
 from kvstore.tiers.device import DeviceTier, resolve_device
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier

@@ -33,11 +33,11 @@ from dataclasses import asdict, dataclass, field
 
 import lmdb
 
-from kvstore import record
 from kvstore.datadir import LOCK_FILE, DataDir
 from kvstore.errors import DamagedStore, KVStoreError
-from kvstore.keys import KEY_BYTES
-from kvstore.record import PREFIX_BYTES, RecordError, RecordHeader
+from kvstore.pages import record
+from kvstore.pages.keys import KEY_BYTES
+from kvstore.pages.record import PREFIX_BYTES, RecordError, RecordHeader
 from kvstore.tiers.buffers import MiB, round_up
 from kvstore.tiers.lmdb_env import (DAMAGE_ERRORS, META_DB, PAGES_DB, QUARANTINE_DB, data_file_size, open_env,
                                     read_totals, sibling, write_totals)

@@ -25,8 +25,8 @@ from typing import Any
 
 from kvstore.config import format_size
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.shapes import PRESETS, load_shape
-from kvstore.spec import DTYPES, canonical_dtype, is_power_of_two
+from kvstore.pages.shapes import PRESETS, load_shape
+from kvstore.pages.spec import DTYPES, canonical_dtype, is_power_of_two
 
 GIB = 1 << 30
 RECOMMENDED_MARGIN = (0.2, 0.3)

@@ -11,7 +11,7 @@ import pytest
 from kvstore.cluster.redis_index import REMOTE, RedisIndex
 from kvstore.config import ClusterConfig
 from kvstore.errors import KVStoreError
-from kvstore.keys import Namespace, page_keys
+from kvstore.pages.keys import Namespace, page_keys
 from redisutil import RedisServer, make_cluster
 
 NS_A = Namespace("m", "float32", tenant="a")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from kvstore.keys import page_keys
+from kvstore.pages.keys import page_keys
 
 PARAMS = SamplingParams(max_tokens=24, logprobs=3)
 

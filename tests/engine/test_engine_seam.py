@@ -15,7 +15,7 @@ from engine import LLM
 from engine.api import create_app, warm_up
 from engine.llm import AsyncLLM
 from engine.config import load_config
-from kvstore.keys import page_keys
+from kvstore.pages.keys import page_keys
 from kvstore.tiers.disk import DiskTier
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

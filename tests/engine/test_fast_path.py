@@ -96,7 +96,7 @@ def test_fast_engine_gives_the_reference_engines_tokens(tmp_path, backend):
 def test_a_prefix_in_warm_is_attended_where_it_lies(tmp_path):
     """native on the CPU: a cached prefix in warm is leased there and read in place (nothing copied to
     hot, no hot slot held for it), and the answer is the one the reference engine gives."""
-    from kvstore.keys import page_keys
+    from kvstore.pages.keys import page_keys
     common = dict(dtype="float32", hot__device="cpu", page_size=16)
     ref = LLM("small", attention_backend="torch", prepack_weights="false", data_dir=str(tmp_path / "ref"), **common)
     fast = LLM("small", attention_backend="native", data_dir=str(tmp_path / "fast"), **common)

@@ -18,7 +18,7 @@ from engine.loader import load_model  # noqa: E402
 from engine.sampler import InvalidRequest  # noqa: E402
 from engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: E402
 from kvstore.errors import ConfigError  # noqa: E402
-from kvstore.shapes import PRESETS  # noqa: E402
+from kvstore.pages.shapes import PRESETS  # noqa: E402
 
 CPU = torch.device("cpu")
 TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "  spaces\tand\nnewlines ",

@@ -242,7 +242,7 @@ def test_a_bad_sample_interval_is_refused_before_anything_runs(tmp_path, capsys)
 def test_the_occupancy_sampler_counts_pages_without_walking_the_store(tmp_path, capsys, monkeypatch):
     """Samples every 0.01 s come from the index's counts (store.tier_pages), never store.stats(),
     which walks every page under the store's lock; they still say how many pages each tier holds."""
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
     walked = []
     stats = TieredStore.stats
     monkeypatch.setattr(TieredStore, "stats", lambda self: walked.append(1) or stats(self))

@@ -11,10 +11,10 @@ import time
 import pytest
 import redis
 
-from kvstore import record
 from kvstore.errors import ConfigError
-from kvstore.keys import Namespace
-from kvstore.record import RecordHeader
+from kvstore.pages import record
+from kvstore.pages.keys import Namespace
+from kvstore.pages.record import RecordHeader
 from kvstore.remote import open_remote
 from redisfixtures import cluster, single  # noqa: F401 (fixtures)
 from redisutil import RedisServer

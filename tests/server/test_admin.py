@@ -18,7 +18,7 @@ from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate as validate_openapi
 
 from kvstore.errors import KVStoreError
-from kvstore.keys import page_keys
+from kvstore.pages.keys import page_keys
 from kvstore.server import create_admin_app, set_draining, start_admin
 from kvstore.server.admin import admin_url, check_exposure
 from storeutil import QUIET, SPEC, fill_and_commit, make_config, make_store, settle, stall_writes, tokens_for

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.index import CACHE_TIERS
+from kvstore.placement.index import CACHE_TIERS
 from kvstore.server.admin import STATE
 from kvstore.server.metrics import Metrics
 from conftest import clean_env, requires

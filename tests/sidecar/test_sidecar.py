@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from conftest import REPO, clean_env
+from kvstore.pages.spec import KVSpec
 from kvstore.sidecar.client import AsyncSidecarClient, SidecarClient, SidecarError, SidecarUnavailable
-from kvstore.spec import KVSpec
 
 SPEC = KVSpec(2, 2, 16, "float32", 16)   # 8 KiB pages
 PS = SPEC.page_size
@@ -45,7 +45,7 @@ def pages_for(doc: int, pages: int) -> torch.Tensor:
 
 # What the client processes this module starts share with it.
 COMMON = "\n".join(["import sys", "import torch", "from kvstore.sidecar.client import SidecarClient",
-                    "from kvstore.spec import KVSpec", f"SPEC = KVSpec{astuple(SPEC)!r}", "PS = SPEC.page_size",
+                    "from kvstore.pages.spec import KVSpec", f"SPEC = KVSpec{astuple(SPEC)!r}", "PS = SPEC.page_size",
                     f"MODEL = {MODEL!r}", inspect.getsource(tokens_for), inspect.getsource(pages_for)])
 
 WARM_PAGES = 16

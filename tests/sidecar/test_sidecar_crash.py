@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from conftest import REPO, clean_env
-from kvstore.sidecar.client import SidecarClient
 from kvstore.datadir import DataDir
-from kvstore.spec import KVSpec
+from kvstore.pages.spec import KVSpec
+from kvstore.sidecar.client import SidecarClient
 
 SPEC = KVSpec(2, 2, 16, "float32", 16)   # 8 KiB pages, the tiny preset's geometry
 MODEL = "crash-test"

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import REPO, clean_env
+from kvstore.pages.spec import KVSpec
 from kvstore.sidecar.client import SidecarClient, SidecarError
-from kvstore.spec import KVSpec
 from test_sidecar import (HELLO, MODEL, PS, SPEC, pages_for, raw_connect, recv, send, sock_dir, spawn,  # noqa: F401
                           tokens_for)
 

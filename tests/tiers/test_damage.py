@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.tools import fsck
 from kvstore.errors import DamagedStore
-from kvstore.keys import Namespace
-from kvstore.spec import KVSpec
+from kvstore.pages.keys import Namespace
+from kvstore.pages.spec import KVSpec
 from kvstore.tiers.disk import PAGES_DB, DiskTier
 from kvstore.tiers.lmdb_file import LmdbFile
+from kvstore.tools import fsck
 from storeutil import record_chain
 
 SPEC = KVSpec(2, 2, 16, "float32", 16)  # 8 KiB pages

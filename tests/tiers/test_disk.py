@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import record
 from kvstore.errors import KVStoreError
-from kvstore.keys import Namespace, page_keys, tokens_bytes
-from kvstore.record import RecordHeader
-from kvstore.spec import KVSpec
+from kvstore.pages import record
+from kvstore.pages.keys import Namespace, page_keys, tokens_bytes
+from kvstore.pages.record import RecordHeader
+from kvstore.pages.spec import KVSpec
 from kvstore.tiers.buffers import _sync_file_range, early_writeback
 from kvstore.tiers.disk import META_DB, PAGES_DB, DiskTier, read_totals
 from conftest import requires
@@ -114,7 +114,7 @@ def test_bfloat16_tensor_payload(tmp_path):
 READER_SCRIPT = """
 import hashlib, json, sys
 import numpy as np
-from kvstore.spec import KVSpec
+from kvstore.pages.spec import KVSpec
 from kvstore.tiers.disk import DiskTier
 spec = KVSpec(2, 2, 16, "float32", 16)
 out = np.empty(spec.page_bytes, np.uint8)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.spec import KVSpec
+from kvstore.pages.spec import KVSpec
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.host import HostTier
 

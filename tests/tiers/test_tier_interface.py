@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore.errors import ConfigError
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from kvstore.tiers.base import TIER_BACKENDS, SlotPool, SlotTier
 from kvstore.tiers.peer_pages import PeerPages
 from tests.storeutil import QUIET, SPEC, expected_page, fill_and_commit, hold, make_config, tokens_for
@@ -124,7 +124,7 @@ def test_peer_pages_are_a_read_only_source_read_into_warm(tmp_path):
 
 
 def _decode(blobs):
-    from kvstore import record
+    from kvstore.pages import record
     return [record.decode(blob) for blob in blobs]
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvstore.tools import fsck
-from kvstore.spec import KVSpec
+from kvstore.pages.spec import KVSpec
 from kvstore.tiers.disk import PAGES_DB, QUARANTINE_DB, DiskTier
+from kvstore.tools import fsck
 from storeutil import record_chain
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO, clean_env
 from kvstore.cli import main as kvstore_main
-from kvstore.keys import page_keys
+from kvstore.pages.keys import page_keys
 from storeutil import QUIET, SPEC, fill_and_commit, make_store, stall_writes, tokens_for
 
 sys.path.insert(0, str(REPO / "tests" / "server"))

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.pages.shapes import PRESETS
 from kvstore.tools.plan import format_plan, parse_params, plan
-from kvstore.shapes import PRESETS
 
 GIB, MIB = 1 << 30, 1 << 20
 EXAMPLE = dict(layers=32, kv_heads=32, head_dim=128, dtype="fp16", context=4096, concurrency=20)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.spec import KVSpec
+from kvstore.pages.spec import KVSpec
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",

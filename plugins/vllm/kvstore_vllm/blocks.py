@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from kvstore.spec import KVSpec
+from kvstore.pages.spec import KVSpec
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 

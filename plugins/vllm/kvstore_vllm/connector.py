@@ -40,8 +40,8 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                               KVConnectorRole, KVConnectorWorkerMetadata)
 
+from kvstore.pages.spec import DTYPES, KVSpec
 from kvstore.sidecar.client import SidecarError, SidecarUnavailable
-from kvstore.spec import DTYPES, KVSpec
 from kvstore_vllm.blocks import blocks_to_slots, check_layers, layer_order, slots_to_blocks
 from kvstore_vllm.link import Scope, SidecarLink, log
 

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+from kvstore.pages.spec import KVSpec
 from kvstore.sidecar.client import SidecarClient, SidecarError, SidecarUnavailable
-from kvstore.spec import KVSpec
 
 T = TypeVar("T")
 log = logging.getLogger("vllm.kvstore_vllm")   # under vLLM's logger: its handlers and level

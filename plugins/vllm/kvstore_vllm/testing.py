@@ -59,7 +59,7 @@ def model_shape(directory: Path) -> dict:
 
 def page_bytes(model_dir: Path, dtype: str, block_size: int) -> int:
     """The bytes of one kvstore page (one vLLM block of every layer) of this model."""
-    from kvstore.shapes import load_shape
+    from kvstore.pages.shapes import load_shape
     return load_shape(str(model_dir)).kv_spec(dtype, block_size).page_bytes
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.spec import KVSpec
+from kvstore.pages.spec import KVSpec
 from kvstore_vllm.blocks import blocks_to_slots, check_layers, layer_order, slots_to_blocks
 
 SPEC = KVSpec(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", page_size=32)

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from kvstore.policy import POLICIES, VictimQueue
+from kvstore.placement.policy import POLICIES, VictimQueue
 
 TIERS = ("hot", "warm", "cold")   # the built-in tiers, fastest first
 SOURCES = ("remote", "peer")      # where else a request's cached pages may come from: the remote tier, a peer

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvstore.errors import KVStoreError
-from kvstore.index import PageEntry
 from kvstore.logbackoff import LogBackoff
-from kvstore.mover import WritePlan
+from kvstore.movement.mover import WritePlan
+from kvstore.placement.index import PageEntry
 from kvstore.tiers.disk import ColdFull
 
 if TYPE_CHECKING:
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger("kvstore.pageio")
 

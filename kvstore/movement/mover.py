@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvstore.errors import OutOfCapacity
-from kvstore.index import TIERS, PageEntry, PageIndex
-from kvstore.move_stats import MoveStats, directions
-from kvstore.record import PREFIX_BYTES, RecordHeader
-from kvstore.spec import KVSpec
+from kvstore.movement.move_stats import MoveStats, directions
+from kvstore.pages.record import PREFIX_BYTES, RecordHeader
+from kvstore.pages.spec import KVSpec
+from kvstore.placement.index import TIERS, PageEntry, PageIndex
 from kvstore.tiers.base import Tier
 
 DIRECTIONS = directions(TIERS)

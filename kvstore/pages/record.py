@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvstore.keys import chain_key
+from kvstore.pages.keys import chain_key
 
 MAGIC = b"KVP1"
 _PREFIX = struct.Struct("<4s16sI")  # magic, checksum, header length

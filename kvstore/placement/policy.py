@@ -11,10 +11,10 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
-from kvstore.registry import Registry
+from kvstore.placement.registry import Registry
 
 if TYPE_CHECKING:
-    from kvstore.index import PageEntry
+    from kvstore.placement.index import PageEntry
 
 POLICIES: Registry[Callable[["PageEntry"], tuple]] = Registry("eviction_policy", "kvstore.eviction_policies")
 

@@ -41,11 +41,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from kvstore.index import PageEntry
-from kvstore.pageio import LoadTicket, PageIO
+from kvstore.movement.pageio import LoadTicket, PageIO
+from kvstore.placement.index import PageEntry
 
 if TYPE_CHECKING:
-    from kvstore.store import TieredStore
+    from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger("kvstore.daemon")
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from kvstore.index import SOURCES
 from kvstore.logbackoff import LogBackoff
+from kvstore.placement.index import SOURCES
 
 log = logging.getLogger("kvstore.store")
 

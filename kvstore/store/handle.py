@@ -20,11 +20,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from kvstore.errors import OutOfCapacity
-from kvstore.keys import Namespace, page_keys
-from kvstore.pageio import LoadTicket
+from kvstore.movement.pageio import LoadTicket
+from kvstore.pages.keys import Namespace, page_keys
 
 if TYPE_CHECKING:
-    from kvstore.store import Match, TieredStore
+    from kvstore.store.tiered import Match, TieredStore
 
 
 class CacheHandle:

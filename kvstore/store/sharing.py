@@ -2,7 +2,7 @@
 
 Such a caller maps the warm tier itself, so it holds warm slots instead of hot references:
 lease_warm(keys) / allocate_warm(n) -> fill -> commit_warm(tokens, slots) -> release_warm(slots).
-commit_warm_named(names, slots) is commit_warm for an engine that names its pages (kvstore.keys).
+commit_warm_named(names, slots) is commit_warm for an engine that names its pages (kvstore.pages.keys).
 
 Rules: a leased page stays in its warm slot, unchanged, until released (the mover does not
 evict it from warm); an allocated slot is the caller's alone until committed or released, and is
@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvstore.errors import KVStoreError, OutOfCapacity
-from kvstore.index import PageEntry
-from kvstore.keys import Namespace, name_tokens, named_key, page_keys, tokens_bytes
+from kvstore.pages.keys import Namespace, name_tokens, named_key, page_keys, tokens_bytes
+from kvstore.placement.index import PageEntry
 
 
 class WarmSharing:

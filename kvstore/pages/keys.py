@@ -18,7 +18,7 @@ from typing import Sequence
 import blake3
 import numpy as np
 
-from kvstore.spec import LAYOUT_VERSION, KVSpec
+from kvstore.pages.spec import LAYOUT_VERSION, KVSpec
 
 KEY_BYTES = 32
 

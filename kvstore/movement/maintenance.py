@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from kvstore.errors import KVStoreError
-from kvstore.index import TIERS, PageEntry
+from kvstore.placement.index import TIERS, PageEntry
 
 
 class TierMaintenance:

@@ -42,21 +42,21 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from kvstore.config import Config
-from kvstore.daemon import Daemon
 from kvstore.datadir import DataDir
 from kvstore.errors import KVStoreError, OutOfCapacity
-from kvstore.handle import CacheHandle
-from kvstore.index import TIERS, PageEntry, PageIndex
-from kvstore.keys import Namespace, name_tokens, named_key, page_keys, tokens_bytes
-from kvstore import record
-from kvstore.maintenance import TierMaintenance
-from kvstore.move_stats import MoveStats
-from kvstore.mover import PageMover
-from kvstore.record import RecordHeader
+from kvstore.movement.daemon import Daemon
+from kvstore.movement.maintenance import TierMaintenance
+from kvstore.movement.move_stats import MoveStats
+from kvstore.movement.mover import PageMover
+from kvstore.pages import record
+from kvstore.pages.keys import Namespace, name_tokens, named_key, page_keys, tokens_bytes
+from kvstore.pages.record import RecordHeader
+from kvstore.pages.spec import KVSpec
+from kvstore.placement.index import TIERS, PageEntry, PageIndex
 from kvstore.remote import open_remote
 from kvstore.remote.landing import WarmLanding
-from kvstore.sharing import WarmSharing
-from kvstore.spec import KVSpec
+from kvstore.store.handle import CacheHandle
+from kvstore.store.sharing import WarmSharing
 from kvstore.tiers.base import Tier
 from kvstore.tiers.build import Layer, build_tiers, layout
 from kvstore.tiers.device import DeviceTier, resolve_device
@@ -427,7 +427,7 @@ class TieredStore(WarmSharing, TierMaintenance):
 
     # pages exchanged with peer instances, as cold-format records
     def export_records(self, namespace: bytes, keys: Sequence[bytes]) -> list[bytes]:
-        """Records (kvstore.record format) of a prefix chain of this namespace, from whichever tier
+        """Records (kvstore.pages.record format) of a prefix chain of this namespace, from whichever tier
         holds each page; stops at the first page that is missing or unreadable."""
         out = []
         with self._lock:
@@ -475,7 +475,7 @@ class TieredStore(WarmSharing, TierMaintenance):
         return local, added
 
     def fetch_remote_named(self, names: Sequence[str], namespace: Namespace) -> int:
-        """fetch_remote for named pages (kvstore.keys): the leading pages of `names` not cached here that
+        """fetch_remote for named pages (kvstore.pages.keys): the leading pages of `names` not cached here that
         the remote tier holds, into warm. Returns the pages added."""
         keys = [named_key(namespace, n) for n in names]
         with self._lock:

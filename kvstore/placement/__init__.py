@@ -1,0 +1,3 @@
+"""Which page is where and which goes next: the page index (`index`), the eviction policy over
+it (`policy`), and the policy registry (`registry`).
+"""
