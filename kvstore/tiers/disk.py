@@ -1,8 +1,9 @@
 """DiskTier: the cold tier, page records in LMDB on local disk.
 
-This module holds its opening, accounting, room and the tier interface; its writer thread is
-LmdbWriter (lmdb_writer.py), its reads LmdbReader (lmdb_reader.py), its LMDB environment
-lmdb_env.py. The rules below are the whole tier's.
+DiskTier opens the store (an LmdbEnv, lmdb_env.py), keeps its room and the tier interface, and
+holds the two parts that share the environment and the tier's Totals: its `writer` (LmdbWriter,
+lmdb_writer.py: the writer thread) and its `reader` (LmdbReader, lmdb_reader.py). The rules
+below are the whole tier's.
 
 Rules:
 - It stores and deletes whole records under their page key, in the LMDB sub-database
@@ -65,12 +66,9 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Sequence
-
-import lmdb
+from concurrent.futures import Future
+from typing import Iterable, Iterator, Sequence
 
 from kvstore.datadir import make_private_dirs
 from kvstore.errors import DamagedStore, KVStoreError
@@ -78,23 +76,28 @@ from kvstore.pages import record
 from kvstore.pages.record import RecordHeader
 from kvstore.pages.spec import KVSpec
 from kvstore.tiers.base import TIER_BACKENDS, Tier, done
-from kvstore.tiers.buffers import MiB, RemapLock, keep_write_buffers, round_up
-from kvstore.tiers.lmdb_env import (META_DB, PAGES_DB, QUARANTINE_DB, ColdFull,  # noqa: F401 (re-exported)
-                                    count_totals, damage_remedy, data_file_size, open_env, open_error, read_totals,
-                                    set_aside, write_totals)
+from kvstore.tiers.buffers import MiB, keep_write_buffers, round_up
+from kvstore.tiers.lmdb_env import (META_DB, PAGES_DB, QUARANTINE_DB, ColdFull, LmdbEnv,  # noqa: F401 (re-exported)
+                                    Totals, damage_remedy, data_file_size, read_totals, set_aside)
 from kvstore.tiers.lmdb_file import check_data_file
 from kvstore.tiers.lmdb_reader import LmdbReader
-from kvstore.tiers.lmdb_writer import STOP, LmdbWriter
+from kvstore.tiers.lmdb_writer import LmdbWriter
 
 log = logging.getLogger("kvstore.store")
 
 _RESERVE_PAGES = 64     # LMDB pages kept free on disk for the copies a delete transaction makes
 
 
-class DiskTier(LmdbWriter, LmdbReader, Tier):
+def _part_stat(part: str, name: str, doc: str | None = None) -> property:
+    """A read-only stat of the tier that one of its parts keeps (env, totals, reader or writer)."""
+    return property(lambda tier: getattr(getattr(tier, part), name), doc=doc)
+
+
+class DiskTier(Tier):
     name = "cold"
     keyed = True
     io = True
+    writer_type: type[LmdbWriter] = LmdbWriter   # what writes; a subclass may wrap its commits
 
     def __init__(self, path: str, spec: KVSpec, max_bytes: int, map_size_max: int,
                  write_batch: int = 64, map_size_initial: int = 64 * MiB, read_threads: int = 0):
@@ -118,54 +121,16 @@ class DiskTier(LmdbWriter, LmdbReader, Tier):
             check_data_file(self.path)   # before liblmdb maps it
         except DamagedStore as exc:
             raise DamagedStore(exc.file, exc.reason, damage_remedy(self.path)) from None
-        self.map_size = max(round_up(min(self.map_size_max, map_size_initial)),
-                            round_up(data_file_size(self.path)))
-        try:
-            self._env = open_env(self.path, self.map_size)
-        except lmdb.Error as exc:
-            raise open_error(self.path, exc) from None
-        try:
-            self._env.reader_check()  # free reader slots left by a crashed process
-            self._pages = self._env.open_db(PAGES_DB)
-            self._quarantine = self._env.open_db(QUARANTINE_DB)
-            self._meta = self._env.open_db(META_DB)
-            with self._env.begin(buffers=True) as txn:
-                totals = read_totals(txn, self._meta)
-                records = txn.stat(self._pages)["entries"]
-        except lmdb.Error as exc:
-            self._env.close()
-            raise open_error(self.path, exc) from None
+        map_size = max(round_up(min(self.map_size_max, map_size_initial)), round_up(data_file_size(self.path)))
+        self.env = LmdbEnv(self.path, map_size)
+        self.totals = Totals(self.path, max_bytes, self.env.recorded, self.env.records)
         self._record_bytes = record.PREFIX_BYTES + 256 + 4 * spec.page_size + spec.page_bytes
         keep_write_buffers(self._record_bytes, self._record_bytes * self.write_batch)
-
-        # stats
         self.disk_bound = False  # room_bytes found the disk (or map) fuller than cold.max_bytes
-        self.corrupt = 0        # reads refused: damaged record or header mismatch
-        self.missing = 0        # reads of keys not stored
-        self.map_grows = 0
-        self.last_error = ""
-        self._stats_lock = threading.Lock()
-
-        # accounting: committed totals (as in `meta`), plus bytes reserved by queued puts
-        self._lock = threading.Lock()
-        self._used = 0
-        self._count = 0
-        self._reserved = 0
-        self._closed = False
-        self._counted = threading.Event()    # set once _used and _count are exact
-        self._count_error: BaseException | None = None
-        if totals is None and records == 0:   # a new store: nothing to count
-            totals = (0, 0)
-        if totals is not None and totals[1] == records:
-            self._used, self._count = totals
-            self._counted.set()
-
-        self._remap = RemapLock()
-        self._pool: ThreadPoolExecutor | None = None   # read_many's helpers, started on first use
-        self._scratch = bytearray(0)  # the writer thread's record buffer
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, name="kvstore-cold-writer", daemon=True)
-        self._writer.start()
+        self._closing = threading.Lock()
+        self.reader = LmdbReader(self.env, spec, self.read_threads)
+        self.writer = self.writer_type(self.env, self.totals, self.write_batch, self._record_bytes,
+                                       self.map_size_max)
 
     # --- accounting -------------------------------------------------------------
 
@@ -176,32 +141,45 @@ class DiskTier(LmdbWriter, LmdbReader, Tier):
     @property
     def used_bytes(self) -> int:
         """Bytes of records committed to `pages` (waits for the first count of an old store)."""
-        self._wait_counted()
-        return self._used
+        return self.totals.wait().used
 
     @property
-    def pending_bytes(self) -> int:
-        """Bytes queued puts will add (at most) once they commit."""
-        return self._reserved
+    def num_pages(self) -> int:
+        """Records committed to `pages` (waits for the first count of an old store)."""
+        return self.totals.wait().count
+
+    pending_bytes = _part_stat("totals", "reserved", "Bytes queued puts will add (at most) once they commit.")
+    counted = _part_stat("totals", "counted",
+                         "Whether the totals are known (always, except while an old store is first counted).")
+
+    def __len__(self) -> int:
+        return self.num_pages
+
+    # --- stats ------------------------------------------------------------------
+
+    map_size = _part_stat("env", "map_size")
+    map_grows = _part_stat("writer", "map_grows")
+    corrupt = _part_stat("reader", "corrupt", "Reads refused: damaged record or header mismatch.")
+    missing = _part_stat("reader", "missing", "Reads of keys not stored.")
+    last_error = _part_stat("reader", "last_error")
+
+    # --- room -------------------------------------------------------------------
 
     def room_bytes(self) -> int:
         """Record bytes more puts may add: what cold.max_bytes leaves, or less when the disk holds
         less (`disk_bound` then says so); queued puts count. A read transaction and a statvfs."""
-        self._wait_counted()
-        with self._lock:
-            by_limit = self.max_bytes - self._used - self._reserved
-            reserved = self._reserved
+        self.totals.wait()
+        by_limit, reserved = self.totals.room()
         by_disk = self._disk_room() - reserved
         self.disk_bound = by_disk < by_limit
         return max(0, min(by_limit, by_disk))
 
     def _disk_room(self) -> int:
         """Record bytes the disk can still take, in whole records (one record is a run of LMDB pages)."""
-        with self._remap.shared():
-            self._check_open()
-            info, main = self._env.info(), self._env.stat()
-            with self._env.begin(buffers=True) as txn:
-                stats = [txn.stat(db) for db in (self._pages, self._quarantine, self._meta)]
+        with self.env.shared() as env:
+            info, main = env.info(), env.stat()
+            with env.begin(buffers=True) as txn:
+                stats = [txn.stat(db) for db in (self.env.pages, self.env.quarantine, self.env.meta)]
         psize = main["psize"]
         live = 2 + sum(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"] for st in (main, *stats))
         try:
@@ -215,21 +193,26 @@ class DiskTier(LmdbWriter, LmdbReader, Tier):
         record_pages = -(-(self._record_bytes + 16) // psize)
         return max(0, free_pages // record_pages) * self._record_bytes
 
-    @property
-    def num_pages(self) -> int:
-        """Records committed to `pages` (waits for the first count of an old store)."""
-        self._wait_counted()
-        return self._count
+    # --- reads (the reader's) ---------------------------------------------------
 
-    @property
-    def counted(self) -> bool:
-        """Whether the totals are known (always, except while an old store is first counted)."""
-        return self._counted.is_set()
+    def read(self, key: bytes, expect_namespace: bytes, expect_tokens: bytes, expect_spec: bytes,
+             out) -> bool:
+        """The verified page `key` into `out`; False on any miss (LmdbReader.read)."""
+        return self.reader.read(key, expect_namespace, expect_tokens, expect_spec, out)
 
-    def _wait_counted(self) -> None:
-        self._counted.wait()
-        if self._count_error is not None:
-            raise KVStoreError(f"cold tier at {self.path}: counting its records failed: {self._count_error}")
+    def read_many(self, requests: Sequence[tuple[bytes, bytes, bytes, bytes, object]],
+                  threads: int | None = None) -> list[bool]:
+        """Verified reads (key, namespace, tokens, spec fingerprint, out), on up to `threads`
+        threads (default `read_threads`); True for each page copied (LmdbReader.read_many)."""
+        return self.reader.read_many(requests, threads)
+
+    def records(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The stored record of each key as bytes, unverified (LmdbReader.records)."""
+        return self.reader.records(keys)
+
+    def scan(self) -> Iterator[tuple[bytes, RecordHeader | None, int]]:
+        """Every record as (key, header or None, length), headers only (LmdbReader.scan)."""
+        return self.reader.scan()
 
     def sizes(self) -> dict[bytes, int]:
         """key -> record length of every committed record: O(records), read from LMDB now.
@@ -237,42 +220,31 @@ class DiskTier(LmdbWriter, LmdbReader, Tier):
         For audits, fsck-like checks and tests; it walks the whole store in short read
         transactions (like `scan`), so writes committing meanwhile may or may not show.
         """
-        return dict(self._walk(lambda key, value: (bytes(key), len(value))))
+        return self.reader.sizes()
 
     def __contains__(self, key: bytes) -> bool:
         """Whether a record is committed under `key` (one LMDB lookup; the record is not verified)."""
-        with self._remap.shared():
-            self._check_open()
-            with self._env.begin(db=self._pages, buffers=True) as txn:
-                return txn.get(key) is not None
+        return self.reader.has(key)
 
-    def __len__(self) -> int:
-        return self.num_pages
+    # --- writes (the writer's) --------------------------------------------------
 
-    def _stored_sizes(self, keys: Iterable[bytes]) -> dict[bytes, int]:
-        """key -> length of its committed record (0 when none), for the keys given."""
-        with self._remap.shared():
-            self._check_open()
-            with self._env.begin(db=self._pages, buffers=True) as txn:
-                return {key: len(v) if (v := txn.get(key)) is not None else 0 for key in keys}
+    def put_many(self, items: Iterable[tuple[RecordHeader, object]]) -> Future:
+        """Queue records (header, payload) for one durable write; the payloads must stay unchanged
+        until the future resolves. ColdFull, writing nothing, above max_bytes (LmdbWriter.put_many)."""
+        return self.writer.put_many(items)
 
-    def _count_totals(self) -> None:
-        """Count `pages` and record the totals in `meta` (writer thread, before any write)."""
-        try:
-            with self._env.begin(write=True, buffers=True) as txn:
-                used, count = count_totals(txn, self._pages)
-                write_totals(txn, self._meta, used, count)
-        except BaseException as exc:  # reported by every accounting call
-            self._count_error = exc
-        else:
-            with self._lock:
-                self._used, self._count = used, count
-        self._counted.set()
+    def delete_many(self, keys: Iterable[bytes]) -> Future:
+        """Queue deletes (missing keys are ignored); the future resolves after commit."""
+        return self.writer.delete_many(keys)
 
-    # --- writes -----------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every write queued before this call has committed (or failed)."""
+        self.writer.flush(timeout)
+
+    # --- the tier interface (handles: keys; reads and writes take RecordHeaders) --
 
     def contains(self, handles: Sequence[bytes]) -> list[bool]:
-        return [size > 0 for size in self._stored_sizes(handles).values()]
+        return [size > 0 for size in self.env.lengths(handles).values()]
 
     def read_into(self, handles: Sequence[RecordHeader], dst, dst_slots: Sequence[int]) -> Future:
         """read_many into dst's slots, on the caller's thread: the future is done on return."""
@@ -286,21 +258,17 @@ class DiskTier(LmdbWriter, LmdbReader, Tier):
     def evict(self, handles: Sequence[bytes]) -> Future:
         return self.delete_many(handles)
 
-    # --- reads ------------------------------------------------------------------
+    # --- lifetime ---------------------------------------------------------------
 
     def close(self) -> None:
         """Commit everything queued, stop the writer and read threads and close LMDB. Idempotent."""
-        with self._lock:
-            if self._closed:
+        with self._closing:
+            if self.env.closed:
                 return
-            self._closed = True
-            self._queue.put(STOP)
-            pool = self._pool
-        self._writer.join()
-        if pool is not None:
-            pool.shutdown(wait=True)
-        with self._remap.exclusive():
-            self._env.close()
+            self.env.closed = True   # from here on, reads and new writes raise
+        self.writer.close()
+        self.reader.close()
+        self.env.close()
 
     def __enter__(self) -> "DiskTier":
         return self
@@ -309,7 +277,7 @@ class DiskTier(LmdbWriter, LmdbReader, Tier):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"DiskTier({self.path!r}, {self._count} pages, {self._used}/{self.max_bytes} bytes, "
+        return (f"DiskTier({self.path!r}, {self.totals.count} pages, {self.totals.used}/{self.max_bytes} bytes, "
                 f"map {self.map_size}/{self.map_size_max})")
 
 

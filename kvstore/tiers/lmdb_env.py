@@ -1,21 +1,26 @@
 """The cold tier's LMDB environment on disk: its sub-databases, their totals, opening it, and
 what a damaged one means (the message, setting it aside).
 
-DiskTier (disk.py) does its reads and writes through this environment; `kvstore fsck` opens the
-same one directly. Sub-databases: `pages` (the records), `quarantine` (what fsck --repair set
-aside), `meta` (the totals of `pages`: bytes and records, rewritten by every write transaction).
+DiskTier (disk.py) opens it as an LmdbEnv, which its writer and its reader share with the tier's
+Totals; `kvstore fsck` opens the same environment directly. Sub-databases: `pages` (the records),
+`quarantine` (what fsck --repair set aside), `meta` (the totals of `pages`: bytes and records,
+rewritten by every write transaction).
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import lmdb
 
 from kvstore.datadir import DIR_MODE
 from kvstore.errors import DamagedStore, KVStoreError
+from kvstore.tiers.buffers import RemapLock
 from kvstore.tiers.lmdb_file import LmdbFile
 
 PAGES_DB = b"pages"
@@ -32,6 +37,134 @@ DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError,
 class ColdFull(KVStoreError):
     """A write found no room: cold.max_bytes, the map at cold.map_size_max, or the filesystem is
     full. Nothing of it was written; deleting records makes room."""
+
+
+class LmdbEnv:
+    """A cold store opened for DiskTier: LMDB's environment (`lmdb`), its sub-databases, the map's
+    size and the remap lock. Reads run under the lock shared (`shared`, `reading`); resizing the map
+    takes it exclusively, as set_mapsize needs every transaction of this process closed. Write
+    transactions run on the writer thread alone, the one that resizes, so they take no lock.
+    Opening also reads the totals `meta` records (`recorded`, None when it has none) and LMDB's
+    count of `pages` (`records`). Once `closed` is set, every read raises KVStoreError.
+    """
+
+    def __init__(self, path: str, map_size: int):
+        self.path = path
+        self.map_size = map_size
+        try:
+            self.lmdb = open_env(path, map_size)
+        except lmdb.Error as exc:
+            raise open_error(path, exc) from None
+        try:
+            self.lmdb.reader_check()  # free reader slots left by a crashed process
+            self.pages = self.lmdb.open_db(PAGES_DB)
+            self.quarantine = self.lmdb.open_db(QUARANTINE_DB)
+            self.meta = self.lmdb.open_db(META_DB)
+            with self.lmdb.begin(buffers=True) as txn:
+                self.recorded = read_totals(txn, self.meta)
+                self.records: int = txn.stat(self.pages)["entries"]
+        except lmdb.Error as exc:
+            self.lmdb.close()
+            raise open_error(path, exc) from None
+        self.closed = False
+        self._remap = RemapLock()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise KVStoreError(f"cold tier at {self.path} is closed")
+
+    @contextmanager
+    def shared(self) -> Iterator[lmdb.Environment]:
+        """The environment, while it is open, under the shared remap lock (for read transactions)."""
+        with self._remap.shared():
+            self.check_open()
+            yield self.lmdb
+
+    @contextmanager
+    def reading(self) -> Iterator[lmdb.Transaction]:
+        """A read transaction on `pages`; its values are views into the map, valid inside the block."""
+        with self.shared() as env, env.begin(db=self.pages, buffers=True) as txn:
+            yield txn
+
+    def lengths(self, keys: Iterable[bytes]) -> dict[bytes, int]:
+        """key -> length of its committed record (0 when none), for the keys given."""
+        with self.reading() as txn:
+            return {key: len(v) if (v := txn.get(key)) is not None else 0 for key in keys}
+
+    def resize(self, map_size: int) -> None:
+        """Set the map's size, once every read transaction of this process has closed."""
+        with self._remap.exclusive():
+            self.lmdb.set_mapsize(map_size)
+        self.map_size = map_size
+
+    def close(self) -> None:
+        with self._remap.exclusive():
+            self.lmdb.close()
+
+
+class Totals:
+    """The cold tier's accounting: bytes (`used`) and count of the records committed to `pages`, as
+    `meta` records them, and the bytes queued puts hold against `max_bytes` until they commit
+    (`reserved`); `lock` guards all three. Only the writer thread commits, so it reads `used` and
+    `count` without the lock. A store whose recorded totals are missing, or whose count is not
+    LMDB's, is counted once by the writer thread (`set_counted`); `wait` blocks until then.
+    """
+
+    def __init__(self, path: str, max_bytes: int, recorded: tuple[int, int] | None, records: int):
+        self.path = path
+        self.max_bytes = max_bytes
+        self.lock = threading.Lock()
+        self.used = self.count = self.reserved = 0
+        self._counted = threading.Event()    # set once used and count are exact
+        self._error: BaseException | None = None
+        if recorded is None and records == 0:   # a new store: nothing to count
+            recorded = (0, 0)
+        if recorded is not None and recorded[1] == records:
+            self.used, self.count = recorded
+            self._counted.set()
+
+    @property
+    def counted(self) -> bool:
+        return self._counted.is_set()
+
+    def wait(self) -> "Totals":
+        """These totals, once they are exact; KVStoreError when counting them failed."""
+        self._counted.wait()
+        if self._error is not None:
+            raise KVStoreError(f"cold tier at {self.path}: counting its records failed: {self._error}")
+        return self
+
+    def set_counted(self, totals: tuple[int, int] | None, error: BaseException | None = None) -> None:
+        """The totals the writer thread counted, or the error counting them raised."""
+        if totals is not None:
+            with self.lock:
+                self.used, self.count = totals
+        self._error = error
+        self._counted.set()
+
+    def reserve(self, nbytes: int) -> None:
+        """Hold `nbytes` against max_bytes; ColdFull, holding nothing, when they do not fit."""
+        with self.lock:
+            if self.used + self.reserved + nbytes > self.max_bytes:
+                raise ColdFull(
+                    f"cold tier is full: {nbytes} more bytes would take it above cold.max_bytes "
+                    f"= {self.max_bytes} (used {self.used}, pending {self.reserved}); evict first")
+            self.reserved += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self.lock:
+            self.reserved -= nbytes
+
+    def commit(self, used: int, count: int, released: int) -> None:
+        """A write transaction committed: the new totals, and the reservations it used up."""
+        with self.lock:
+            self.used, self.count = used, count
+            self.reserved -= released
+
+    def room(self) -> tuple[int, int]:
+        """(bytes max_bytes still leaves, bytes reserved), read together."""
+        with self.lock:
+            return self.max_bytes - self.used - self.reserved, self.reserved
 
 
 def open_env(path: str, map_size: int, readonly: bool = False) -> lmdb.Environment:

@@ -1,15 +1,16 @@
-"""LmdbReader: the cold tier's reads (DiskTier's reader half).
+"""LmdbReader: the cold tier's reads.
 
 `read`, `read_many` and `scan` are thread-safe and block: a read verifies the record (key
 derivation, namespace, tokens, geometry, then the checksum over the bytes it copied) and
 returns False for anything missing or untrustworthy, never raising on bad data. `read_many`
 spreads a batch over a small thread pool, each group in its own read transaction, under the
-shared remap lock. The rules are DiskTier's (kvstore/tiers/disk.py); this mixin holds no state
-of its own.
+shared remap lock. DiskTier (disk.py) holds one, on the tier's LmdbEnv (lmdb_env.py); the rules
+are DiskTier's.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from typing import Callable, Iterator, Sequence, TypeVar
@@ -20,7 +21,9 @@ import numpy as np
 from kvstore.errors import KVStoreError
 from kvstore.pages import record
 from kvstore.pages.record import RecordError, RecordHeader
+from kvstore.pages.spec import KVSpec
 from kvstore.tiers.buffers import MiB, as_byte_array
+from kvstore.tiers.lmdb_env import LmdbEnv
 
 _SCAN_CHUNK = 4096              # records read per read transaction in scan() and sizes()
 _READ_GROUP_BYTES = 4 * MiB     # read_many gives a thread at least this many page bytes
@@ -28,6 +31,21 @@ K = TypeVar("K", bound=tuple)
 
 
 class LmdbReader:
+    """Verified reads of `spec`'s pages from the store `env`, a `read_many` batch on up to
+    `threads` threads (the caller's included; the pool starts on first use). Counts what it
+    refuses: `missing` keys, `corrupt` records, and the `last_error` of one."""
+
+    def __init__(self, env: LmdbEnv, spec: KVSpec, threads: int):
+        self.env = env
+        self.spec = spec
+        self.threads = threads
+        self.corrupt = 0        # reads refused: damaged record or header mismatch
+        self.missing = 0        # reads of keys not stored
+        self.last_error = ""
+        self._stats_lock = threading.Lock()
+        self._lock = threading.Lock()   # starting the pool against close()
+        self._pool: ThreadPoolExecutor | None = None
+
     def read(self, key: bytes, expect_namespace: bytes, expect_tokens: bytes, expect_spec: bytes,
              out) -> bool:
         """Copy the verified page `key` into `out` (spec.page_bytes bytes); False on any miss
@@ -39,7 +57,7 @@ class LmdbReader:
         """Several reads (key, namespace, tokens, spec fingerprint, out); True for each page copied.
 
         The batch is cut into contiguous groups of at least 4 MiB of pages, one per thread,
-        up to `threads` (default `read_threads`): the caller reads the first group, pool
+        up to `threads` (default: the reader's): the caller reads the first group, pool
         threads the others, each group in one read transaction. Hashing and copying release
         the GIL, so the groups run in parallel. A False leaves its target untouched, or
         zeroed when the checksum of what was copied failed.
@@ -52,7 +70,7 @@ class LmdbReader:
                 raise ValueError(f"read target is {arr.nbytes} bytes, a page is {page_bytes}")
             targets.append(arr)
         per_group = max(1, -(-_READ_GROUP_BYTES // page_bytes))
-        groups = min(threads or self.read_threads, -(-len(requests) // per_group))
+        groups = min(threads or self.threads, -(-len(requests) // per_group))
         if groups <= 1:
             return self._read_group(requests, targets)
         bounds = [len(requests) * g // groups for g in range(groups + 1)]
@@ -61,30 +79,31 @@ class LmdbReader:
         try:
             first = self._read_group(requests[:bounds[1]], targets[:bounds[1]])
         finally:
-            rest = [f.result() for f in futures]   # never leave a helper writing into a target
+            rest = [f.result() for f in futures]   # never leave a pool thread writing into a target
         return first + [ok for group in rest for ok in group]
 
     def records(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The stored record of each key as bytes (None when there is none), unverified: for a copy
         elsewhere (the remote tier), whose reader verifies it. One read transaction."""
-        with self._remap.shared():
-            self._check_open()
-            with self._env.begin(db=self._pages, buffers=True) as txn:
-                return [bytes(v) if (v := txn.get(key)) is not None else None for key in keys]
+        with self.env.reading() as txn:
+            return [bytes(v) if (v := txn.get(key)) is not None else None for key in keys]
+
+    def has(self, key: bytes) -> bool:
+        """Whether a record is committed under `key` (one LMDB lookup; the record is not verified)."""
+        with self.env.reading() as txn:
+            return txn.get(key) is not None
 
     def _read_pool(self) -> ThreadPoolExecutor:
         with self._lock:
-            self._check_open()
+            self.env.check_open()
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=max(1, self.read_threads - 1),
+                self._pool = ThreadPoolExecutor(max_workers=max(1, self.threads - 1),
                                                 thread_name_prefix="kvstore-cold-read")
             return self._pool
 
     def _read_group(self, requests, targets: list[np.ndarray]) -> list[bool]:
-        with self._remap.shared():
-            self._check_open()
-            with self._env.begin(db=self._pages, buffers=True) as txn:
-                return [self._read_one(txn, *req[:4], arr) for req, arr in zip(requests, targets)]
+        with self.env.reading() as txn:
+            return [self._read_one(txn, *req[:4], arr) for req, arr in zip(requests, targets)]
 
     def _read_one(self, txn, key, expect_namespace, expect_tokens, expect_spec, out: np.ndarray) -> bool:
         value = txn.get(key)
@@ -118,28 +137,37 @@ class LmdbReader:
         """
         return self._walk(_scan_item)
 
+    def sizes(self) -> dict[bytes, int]:
+        """key -> record length of every committed record: O(records), read from LMDB now, in
+        short read transactions (like `scan`), so writes committing meanwhile may or may not show."""
+        return dict(self._walk(lambda key, value: (bytes(key), len(value))))
+
     def _walk(self, item: Callable[[memoryview, memoryview], K]) -> Iterator[K]:
         """item(key, value) of every record in key order, read in chunks of short read
         transactions; each item is a tuple that starts with the key (as bytes)."""
         last: bytes | None = None
         while True:
-            with self._remap.shared():
-                self._check_open()
+            with self.env.shared() as env:
                 try:
-                    with self._env.begin(db=self._pages, buffers=True) as txn:
+                    with env.begin(db=self.env.pages, buffers=True) as txn:
                         cursor = txn.cursor()
                         found = cursor.first() if last is None else cursor.set_range(last)
                         if found and last is not None and cursor.key() == last:
                             found = cursor.next()
                         chunk = [item(k, v) for k, v in islice(cursor.iternext(), _SCAN_CHUNK)] if found else []
                 except lmdb.Error as exc:
-                    raise KVStoreError(f"cold tier at {self.path}: reading its records failed: {exc}") from None
+                    raise KVStoreError(f"cold tier at {self.env.path}: reading its records failed: {exc}") from None
             yield from chunk
             if len(chunk) < _SCAN_CHUNK:
                 return
             last = chunk[-1][0]
 
-    # --- lifetime ---------------------------------------------------------------
+    def close(self) -> None:
+        """End the pool's threads, once they have read what they were given (`env` marked closed)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 def _scan_item(key: memoryview, value: memoryview) -> tuple[bytes, RecordHeader | None, int]:

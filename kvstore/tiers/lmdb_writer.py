@@ -1,18 +1,19 @@
-"""LmdbWriter: the cold tier's writes (DiskTier's writer half).
+"""LmdbWriter: the cold tier's writes, on the one writer thread that owns every write transaction.
 
-One writer thread owns every write transaction: `put_many` and `delete_many` queue a request
-and return a Future that resolves once its transaction committed durably (sync + metasync); up
-to `write_batch` queued requests share one transaction, and a failed one fails its futures with
-nothing of it visible. The map grows here, under the exclusive remap lock. The rules are
-DiskTier's (kvstore/tiers/disk.py); this mixin holds no state of its own.
+`put_many` and `delete_many` queue a request and return a Future that resolves once its
+transaction committed durably (sync + metasync); up to `write_batch` queued requests share one
+transaction, and a failed one fails its futures with nothing of it visible. The map grows here,
+under the exclusive remap lock. DiskTier (disk.py) holds one, on the tier's LmdbEnv and Totals
+(lmdb_env.py); the rules are DiskTier's.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
+import threading
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -22,9 +23,7 @@ from kvstore.errors import KVStoreError
 from kvstore.pages import record
 from kvstore.pages.record import RecordHeader
 from kvstore.tiers.buffers import MiB, as_byte_view, early_writeback, keep_write_buffers
-from kvstore.tiers.lmdb_env import ColdFull, write_totals
-
-log = logging.getLogger("kvstore.store")
+from kvstore.tiers.lmdb_env import ColdFull, LmdbEnv, Totals, count_totals, write_totals
 
 _EARLY_WRITEBACK_BYTES = 8 * MiB   # commits this large start the disk while they still copy
 
@@ -41,14 +40,31 @@ STOP = object()     # queued by close(): the writer thread ends
 
 
 class LmdbWriter:
+    """The writer thread of the store `env`: it commits queued requests in batches of up to
+    `write_batch`, keeps `totals` (counting them first when they are not exact) and grows the
+    map up to `map_size_max`. `record_bytes` is the largest record, for keep_write_buffers."""
+
+    def __init__(self, env: LmdbEnv, totals: Totals, write_batch: int, record_bytes: int, map_size_max: int):
+        self.env = env
+        self.totals = totals
+        self.write_batch = max(1, write_batch)
+        self.record_bytes = record_bytes
+        self.map_size_max = map_size_max
+        self.map_grows = 0
+        self._lock = threading.Lock()   # queueing against close(): nothing is queued after STOP
+        self._scratch = bytearray(0)    # the writer thread's record buffer
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write_loop, name="kvstore-cold-writer", daemon=True)
+        self._thread.start()
+
     def put_many(self, items: Iterable[tuple[RecordHeader, object]]) -> Future:
         """Queue records (header, payload) for one durable write; the future resolves after commit.
 
         The payload (CPU tensor, numpy array, bytes, memoryview) is checksummed now and
         copied by the writer thread: it must stay alive and unchanged until the future
         resolves (a payload changed in between is stored with a bad checksum, so it
-        reads as damaged, never as wrong data). Raises KVStoreError, writing nothing,
-        when the batch would take the tier above max_bytes.
+        reads as damaged, never as wrong data). Raises ColdFull, writing nothing, when the
+        batch would take the tier above max_bytes.
         """
         puts = []
         for header, payload in items:
@@ -58,44 +74,39 @@ class LmdbWriter:
             parts = record.encode(header, view)
             puts.append((header.key, parts, sum(len(p) for p in parts)))
         req = _Request(puts=puts)
-        self._wait_counted()
+        self.totals.wait()
         # Overwrites reserve only what they add. A record deleted between this lookup and the
         # commit frees its bytes at the same time, so the limit holds either way.
-        stored = self._stored_sizes({key for key, _, _ in puts})
-        with self._lock:
-            self._check_open()
-            req.reserved = max(0, sum(n for _, _, n in puts) - sum(stored.values()))
-            if self._used + self._reserved + req.reserved > self.max_bytes:
-                raise ColdFull(
-                    f"cold tier is full: {req.reserved} more bytes would take it above cold.max_bytes "
-                    f"= {self.max_bytes} (used {self._used}, pending {self._reserved}); evict first")
-            self._reserved += req.reserved
-            self._queue.put(req)
-        return req.future
+        stored = self.env.lengths({key for key, _, _ in puts})
+        req.reserved = max(0, sum(n for _, _, n in puts) - sum(stored.values()))
+        return self._submit(req, reserve=True)
 
     def delete_many(self, keys: Iterable[bytes]) -> Future:
         """Queue deletes (missing keys are ignored); the future resolves after commit."""
         req = _Request(deletes=[bytes(k) for k in keys])
-        self._wait_counted()
-        with self._lock:
-            self._check_open()
-            self._queue.put(req)
-        return req.future
+        self.totals.wait()
+        return self._submit(req)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every write queued before this call has committed (or failed)."""
-        with self._lock:
-            self._check_open()
-            req = _Request()
-            self._queue.put(req)
-        req.future.result(timeout)
+        self._submit(_Request()).result(timeout)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise KVStoreError(f"cold tier at {self.path} is closed")
+    def _submit(self, req: _Request, reserve: bool = False) -> Future:
+        with self._lock:
+            self.env.check_open()
+            if reserve:
+                self.totals.reserve(req.reserved)
+            self._queue.put(req)
+        return req.future
+
+    def close(self) -> None:
+        """Commit everything queued, then end the writer thread (once `env` is marked closed)."""
+        with self._lock:
+            self._queue.put(STOP)
+        self._thread.join()
 
     def _write_loop(self) -> None:
-        if not self._counted.is_set():
+        if not self.totals.counted:
             self._count_totals()
         stop = False
         while not stop:
@@ -117,12 +128,20 @@ class LmdbWriter:
                 if req.future.set_running_or_notify_cancel():
                     live.append(req)
                 else:  # cancelled before it was written: drop it
-                    self._unreserve(req)
+                    self.totals.release(req.reserved)
             self._write_batch(live)
 
-    def _unreserve(self, req: _Request) -> None:
-        with self._lock:
-            self._reserved -= req.reserved
+    def _count_totals(self) -> None:
+        """Count `pages` and record the totals in `meta` (before any write)."""
+        env = self.env
+        try:
+            with env.lmdb.begin(write=True, buffers=True) as txn:
+                used, count = count_totals(txn, env.pages)
+                write_totals(txn, env.meta, used, count)
+        except BaseException as exc:  # reported by every accounting call
+            self.totals.set_counted(None, exc)
+        else:
+            self.totals.set_counted((used, count))
 
     def _write_batch(self, batch: list[_Request]) -> None:
         try:
@@ -134,7 +153,7 @@ class LmdbWriter:
                 return
             if isinstance(exc, lmdb.Error):
                 exc = self._write_error(exc, batch[0])
-            self._unreserve(batch[0])
+            self.totals.release(batch[0].reserved)
             batch[0].future.set_exception(exc)
             return
         for req in batch:
@@ -143,43 +162,39 @@ class LmdbWriter:
     def _write_error(self, exc: lmdb.Error, req: _Request) -> KVStoreError:
         """A failed write transaction: ColdFull when the filesystem is out of room (ENOSPC, or the
         short write LMDB reports as EIO with the disk full), else KVStoreError."""
+        path = self.env.path
         need = sum(n for _, _, n in req.puts)
         try:
-            st = os.statvfs(self.path)
+            st = os.statvfs(path)
             free = st.f_bavail * st.f_frsize
         except OSError:
             free = None
         if isinstance(exc, lmdb.DiskError) or (need and free is not None and free < need + MiB):
-            return ColdFull(f"cold tier write failed at {self.path}: its filesystem is full "
+            return ColdFull(f"cold tier write failed at {path}: its filesystem is full "
                             f"({free if free is not None else '?'} bytes free; {exc})")
-        return KVStoreError(f"cold tier write failed at {self.path}: {exc}")
+        return KVStoreError(f"cold tier write failed at {path}: {exc}")
 
     def _commit(self, batch: list[_Request]) -> None:
         if not any(r.puts or r.deletes for r in batch):
             return
         batch_bytes = sum(n for r in batch for _, _, n in r.puts)
-        keep_write_buffers(self._record_bytes, batch_bytes)
+        keep_write_buffers(self.record_bytes, batch_bytes)
         self._grow_map(batch_bytes, before=True)
         while True:
             try:
-                if batch_bytes >= _EARLY_WRITEBACK_BYTES:
-                    with early_writeback(os.path.join(self.path, "data.mdb")):
-                        used, count = self._write_txn(batch)
-                else:
+                with (early_writeback(os.path.join(self.env.path, "data.mdb"))
+                      if batch_bytes >= _EARLY_WRITEBACK_BYTES else nullcontext()):
                     used, count = self._write_txn(batch)
                 break  # committed
             except lmdb.MapFullError:
                 self._grow_map()
-        with self._lock:
-            self._used, self._count = used, count
-            for req in batch:
-                self._reserved -= req.reserved
+        self.totals.commit(used, count, sum(req.reserved for req in batch))
 
     def _write_txn(self, batch: list[_Request]) -> tuple[int, int]:
         """One write transaction of the batch, totals in `meta` included; the new totals."""
-        used, count = self._used, self._count   # only this thread changes them
-        with self._env.begin(write=True, buffers=True) as txn:
-            pages = self._pages
+        used, count = self.totals.used, self.totals.count   # only this thread changes them
+        with self.env.lmdb.begin(write=True, buffers=True) as txn:
+            pages = self.env.pages
             for req in batch:
                 for key, parts, length in req.puts:
                     old = txn.get(key, db=pages)   # a view into the map; only its length is used
@@ -192,7 +207,7 @@ class LmdbWriter:
                         used -= len(old)
                         count -= 1
                         txn.delete(key, db=pages)
-            write_totals(txn, self._meta, used, count)
+            write_totals(txn, self.env.meta, used, count)
         return used, count
 
     def _assemble(self, parts: list, length: int) -> memoryview:
@@ -216,21 +231,18 @@ class LmdbWriter:
         free pages LMDB may reuse, so ahead of a batch it only grows up to the cap and
         never fails.
         """
+        size = self.env.map_size
         if before:
-            info, psize = self._env.info(), self._env.stat()["psize"]
+            info, psize = self.env.lmdb.info(), self.env.lmdb.stat()["psize"]
             need = (info["last_pgno"] + 1) * psize + batch_bytes + batch_bytes // 8 + MiB
-            if need <= self.map_size or self.map_size >= self.map_size_max:
+            if need <= size or size >= self.map_size_max:
                 return
-            new_size = self.map_size
+            new_size = size
             while new_size < need and new_size < self.map_size_max:
                 new_size = min(new_size * 2, self.map_size_max)
-        elif self.map_size >= self.map_size_max:
-            raise ColdFull(f"cold tier map is full at {self.map_size} bytes (cold.map_size_max)")
+        elif size >= self.map_size_max:
+            raise ColdFull(f"cold tier map is full at {size} bytes (cold.map_size_max)")
         else:
-            new_size = min(self.map_size * 2, self.map_size_max)
-        with self._remap.exclusive():
-            self._env.set_mapsize(new_size)
-        self.map_size = new_size
+            new_size = min(size * 2, self.map_size_max)
+        self.env.resize(new_size)
         self.map_grows += 1
-
-    # --- the tier interface (handles: keys; reads and writes take RecordHeaders) --

@@ -17,15 +17,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kvstore.cli import main  # noqa: E402
 from kvstore.tiers.base import TIER_BACKENDS  # noqa: E402
 from kvstore.tiers.disk import DiskTier  # noqa: E402
+from kvstore.tiers.lmdb_writer import LmdbWriter  # noqa: E402
 
 DELAY_S = float(os.environ.get("SLOW_DISK_COMMIT_DELAY_S", "0.5"))
 
 
-class SlowDiskTier(DiskTier):
+class SlowWriter(LmdbWriter):
     def _commit(self, batch) -> None:
         if any(r.puts for r in batch):
             time.sleep(DELAY_S)
         super()._commit(batch)
+
+
+class SlowDiskTier(DiskTier):
+    writer_type = SlowWriter
 
 
 @TIER_BACKENDS.register("slow-lmdb")

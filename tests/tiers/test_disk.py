@@ -465,7 +465,7 @@ def test_parallel_read_many_matches_and_refuses_damage(tmp_path):
                 assert torch.equal(outs[i], pages.payloads[i]) if ok[i] else not outs[i].any()
                 outs[i].fill_(7)
         assert tier.corrupt == 3 * len(damaged)
-        assert tier._pool is not None                    # the batch did use the pool
+        assert tier.reader._pool is not None             # the batch did use the pool
 
 
 def test_parallel_reads_while_writes_grow_the_map(tmp_path):
