@@ -164,7 +164,7 @@ def write_document(tmp: Path, url: str, pages: int, seed: int):
             a.hot.write_page(slot, page)
         h.commit(tokens, pages)
         h.release()
-        with a._lock:
+        with a.core.lock:
             dirty = list(a.index.dirty.values())
         if not a.daemon.wait_clean(dirty, WRITE_TIMEOUT_S):
             raise BenchError("store A's write-behind did not write the pages to cold")

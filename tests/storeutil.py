@@ -69,7 +69,7 @@ def grow(handle, pages: int) -> None:
         except OutOfCapacity as exc:
             if not exc.pending:
                 raise
-            handle.store.daemon.wait_progress(1.0)
+            handle.daemon.wait_progress(1.0)
 
 
 def fill_and_commit(store: TieredStore, ns, tokens: list[int], start: int = 0):
@@ -100,7 +100,7 @@ def stall_writes(store: TieredStore, up_to_s: float = 30.0) -> threading.Event:
 
 def settle(store: TieredStore, timeout: float = 30.0) -> None:
     """Wait until write-behind has written every dirty page (tests that count tiers)."""
-    with store._lock:
+    with store.core.lock:
         dirty = list(store.index.dirty.values())
     assert store.daemon.wait_clean(dirty, timeout), "write-behind did not catch up"
 

@@ -111,7 +111,7 @@ def test_a_load_ticket_brings_cold_pages_to_warm_and_holds_them(tmp_path):
         store.evict(keys, to="cold")
         ticket = store.daemon.load(keys)
         assert ticket.wait(10) == 4 and store.match(tokens, ns).tiers == ["warm"] * 4
-        with store._lock:
+        with store.core.lock:
             assert all(store.index.get(k).leases == 1 for k in keys)   # held for the ticket's holder
             store.daemon.end_load(ticket)
             assert all(store.index.get(k).leases == 0 for k in keys)

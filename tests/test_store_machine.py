@@ -84,11 +84,14 @@ class StoreMachine(RuleBasedStateMachine):
         self.kept.update(keys[:pages])
         self.requests.append(h)
 
-    @precondition(lambda self: self.store is not None and self.requests)
-    @rule(data=st.data())
-    def finish(self, data):
-        i = data.draw(st.integers(0, len(self.requests) - 1))
-        self.requests.pop(i).release()
+    # Whether a request got its pages depends on the background writer's timing, so no
+    # precondition or draw depends on how many run or what is pinned: hypothesis replays the same
+    # choices as the same steps.
+    @precondition(lambda self: self.store is not None)
+    @rule(i=st.integers(0, 63))
+    def finish(self, i):
+        if self.requests:
+            self.requests.pop(i % len(self.requests)).release()
 
     @precondition(lambda self: self.store is not None)
     @rule(doc=st.integers(0, 5))
@@ -98,7 +101,7 @@ class StoreMachine(RuleBasedStateMachine):
         for k in m.keys:
             self.pinned[k] = self._tiers(self.store.index.get(k))
 
-    @precondition(lambda self: self.store is not None and self.pinned)
+    @precondition(lambda self: self.store is not None)
     @rule()
     def unpin_all(self):
         self.store.unpin(list(self.pinned))
@@ -142,7 +145,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert not self.violations, self.violations
         for h in self.requests:
             for slot in h.slots:
-                assert slot in s._owned or s.index.hot_slots[slot].refcount > 0, "held page lost"
+                assert slot in s.core.owned or s.index.hot_slots[slot].refcount > 0, "held page lost"
         st = s.stats()
         drops = {r: n for r, n in st["dropped_by_reason"].items() if n}
         assert set(drops) <= {"cold_full"} and not (self.roomy and drops), f"pages dropped: {drops}"

@@ -18,15 +18,17 @@ or a timer runs on its threads, so that no caller (the engine thread least of al
   what they did not; the engine thread never waits: its admission counts dirty pages
   (`over_bound`) and a request that needs room only the writer can free waits in its queue.
 - watermarks and trims (thread kvstore-daemon): every daemon.interval_s, or at once when
-  kicked, TieredStore.rebalance: tiers above their high watermark come down to their low one at
-  memory speed (clean pages leave, dirty ones are already queued), the cold tier is trimmed to
-  its low watermark, the prefix index to prefix_cache_max_entries.
+  kicked, the `rebalance` given to start (TierMaintenance.rebalance): tiers above their high
+  watermark come down to their low one at memory speed (clean pages leave, dirty ones are
+  already queued), the cold tier is trimmed to its low watermark, the prefix index to
+  prefix_cache_max_entries.
 - loads (threads kvstore-read): `load(keys)` brings a chain's cold pages up to warm and returns
   a LoadTicket at once (PageIO.load); the engine polls it, worker threads may wait on it.
 - the door for event loops: `await daemon.run(fn, ...)` runs a store call on a worker thread.
 
 `close(persist=True)` drains: loads stop, then the writer writes every queued page before it
-stops. Counters and gauges are in `stats()` (store.stats()["write_behind"]).
+stops. Counters and gauges are in `stats()` (store.stats()["write_behind"]). It is given the
+store's core (kvstore.store.core), whose lock its condition shares.
 """
 
 from __future__ import annotations
@@ -39,13 +41,11 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from kvstore.movement.pageio import LoadTicket, PageIO
 from kvstore.placement.index import PageEntry
-
-if TYPE_CHECKING:
-    from kvstore.store.tiered import TieredStore
+from kvstore.store.core import StoreCore
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -58,19 +58,20 @@ RETRY_STRANDED_S = 5.0         # the idle writer tries the pages cold refused ag
 
 
 class Daemon:
-    def __init__(self, store: "TieredStore", read_threads: int = 2, workers: int = 4):
-        self.store, self.config = store, store.config
-        self.index = store.index
-        self.io = PageIO(store)
-        self._cond = threading.Condition(store._lock)   # queue, writer progress, releases
+    def __init__(self, core: StoreCore, read_threads: int = 2, workers: int = 4):
+        self.core, self.config = core, core.config
+        self.index = core.index
+        self.io = PageIO(core, self.wake)
+        self._cond = threading.Condition(core.lock)   # queue, writer progress, releases
+        self._rebalance: Callable[[], Any] | None = None   # set by start
         self._kick = threading.Event()
         self._reads = ThreadPoolExecutor(max_workers=max(1, read_threads), thread_name_prefix="kvstore-read")
         self._calls = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore")
         self._stopping = False
         self._drain = True
         self.closed = False
-        page_bytes = store.spec.page_bytes
-        memory = store.warm.num_slots or store.hot.num_pages
+        page_bytes = core.spec.page_bytes
+        memory = core.warm.num_slots or core.hot.num_pages
         self.max_dirty_pages = max(1, min(self.config.daemon.max_dirty_bytes // page_bytes, memory // 2))
         # counters
         self.written_pages = 0
@@ -83,7 +84,9 @@ class Daemon:
         self._threads = [threading.Thread(target=self._write_loop, name="kvstore-write-behind", daemon=True),
                          threading.Thread(target=self._maintain_loop, name="kvstore-daemon", daemon=True)]
 
-    def start(self) -> "Daemon":
+    def start(self, rebalance: Callable[[], Any]) -> "Daemon":
+        """Start the writer and the watermark thread, which calls `rebalance` when due."""
+        self._rebalance = rebalance
         for t in self._threads:
             t.start()
         return self
@@ -131,7 +134,7 @@ class Daemon:
     def over_bound(self, n: int = 0) -> bool:
         """Whether n more dirty pages would pass the bound (call under the store's lock)."""
         dirty = len(self.index.dirty)
-        return self.store.cold is not None and dirty > 0 and dirty + n > self.max_dirty_pages
+        return self.core.cold is not None and dirty > 0 and dirty + n > self.max_dirty_pages
 
     def room(self, n: int) -> int:
         """How many of n more dirty pages fit under the bound now (call under the store's lock)."""
@@ -268,9 +271,9 @@ class Daemon:
 
     def _batch(self) -> list[PageEntry]:
         """The oldest queued pages not being written, up to WRITE_BATCH_BYTES (under the lock)."""
-        if self.store.cold is None:
+        if self.core.cold is None:
             return []
-        out, limit = [], max(1, WRITE_BATCH_BYTES // self.store.spec.page_bytes)
+        out, limit = [], max(1, WRITE_BATCH_BYTES // self.core.spec.page_bytes)
         for e in self.index.dirty.values():
             if not e.writing:
                 out.append(e)
@@ -282,7 +285,7 @@ class Daemon:
 
     def _stage_in_warm(self, entries: list[PageEntry]) -> None:
         """write_through: copy hot pages to warm ahead of eviction (not counted as bytes moved)."""
-        mover, warm = self.store.mover, self.store.warm
+        mover, warm = self.core.mover, self.core.warm
         to_warm = [e for e in entries if e.warm is None and e.hot is not None]
         if to_warm and mover.make_room("warm", len(to_warm), {e.key for e in entries}):
             mover.copy(to_warm, "hot", "warm", warm.alloc(len(to_warm)), counted=False)
@@ -296,7 +299,7 @@ class Daemon:
             if self._stopping:
                 return
             try:
-                self.store.rebalance()
+                self._rebalance()
             except Exception:  # noqa: BLE001 - the next round retries
                 self.maintenance_errors += 1
                 if self.maintenance_errors == 1 or self.maintenance_errors % 100 == 0:
@@ -308,8 +311,8 @@ class Daemon:
         dirty = self.index.dirty
         oldest = next(iter(dirty.values()), None)
         writing = sum(1 for e in dirty.values() if e.writing)
-        return {"dirty_pages": len(dirty), "dirty_bytes": len(dirty) * self.store.spec.page_bytes,
-                "max_dirty_pages": self.max_dirty_pages if self.store.cold is not None else 0,
+        return {"dirty_pages": len(dirty), "dirty_bytes": len(dirty) * self.core.spec.page_bytes,
+                "max_dirty_pages": self.max_dirty_pages if self.core.cold is not None else 0,
                 "queued_pages": len(dirty) - writing, "writing_pages": writing,
                 "lag_s": round(time.monotonic() - oldest.dirty_since, 3) if oldest is not None else 0.0,
                 "written_pages": self.written_pages, "write_batches": self.write_batches,

@@ -19,6 +19,8 @@
 Every method brackets its I/O with short critical sections (PageMover's plan/finish halves):
 the engine thread, which only ever takes the lock for memory work, never waits for a disk.
 Every method here blocks: for the Daemon's threads and worker threads, never for the engine.
+It is given the store's core (kvstore.store.core: the lock, the index, the mover, the tiers)
+and `released`, called under the lock when a load's leases go back (room for waiting producers).
 """
 
 from __future__ import annotations
@@ -26,16 +28,14 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 from kvstore.errors import KVStoreError
 from kvstore.logbackoff import LogBackoff
 from kvstore.movement.mover import WritePlan
 from kvstore.placement.index import PageEntry
+from kvstore.store.core import StoreCore
 from kvstore.tiers.disk import ColdFull
-
-if TYPE_CHECKING:
-    from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger("kvstore.pageio")
 
@@ -76,8 +76,8 @@ class WriteJob:
 
 
 class PageIO:
-    def __init__(self, store: "TieredStore"):
-        self.store = store
+    def __init__(self, core: StoreCore, released: Callable[[], None]):
+        self.core, self.released = core, released
         self.write_errors = 0           # write-behind batches that failed (pages stayed in memory)
         self.last_write_error = ""
         self.cold_full = False          # the last write failed for lack of room, even after evicting
@@ -95,22 +95,22 @@ class PageIO:
         except BaseException as exc:  # noqa: BLE001 - a failed load is a miss; the holder recomputes
             log.warning("load of %d pages failed: %s", len(ticket.keys), exc)
         finally:
-            with self.store._lock:
+            with self.core.lock:
                 if ticket.ended:
                     self._return_leases(ticket)
             ticket.future.set_result(ticket.ready)
 
     def _load_chain(self, ticket: LoadTicket, wait_room: Callable[[], bool]) -> None:
-        store, mover = self.store, self.store.mover
-        per_batch = max(1, LOAD_BATCH_BYTES // store.spec.page_bytes)
+        core, mover = self.core, self.core.mover
+        per_batch = max(1, LOAD_BATCH_BYTES // core.spec.page_bytes)
         while ticket.ready < len(ticket.keys) and not ticket.ended:
-            with store._lock:
+            with core.lock:
                 entries = self._chain(ticket, per_batch)
                 if not entries:
                     return
                 plan = mover.plan_read(entries)
             ok = self._read(plan) if plan.entries else []
-            with store._lock:
+            with core.lock:
                 mover.finish_read(plan, ok)
                 before = ticket.ready
                 self._hold(ticket, entries)
@@ -123,7 +123,7 @@ class PageIO:
     def _chain(self, ticket: LoadTicket, n: int) -> list[PageEntry]:
         out = []
         for key in ticket.keys[ticket.ready:ticket.ready + n]:
-            e = self.store.index.get(key)
+            e = self.core.index.get(key)
             if e is None:
                 break
             out.append(e)
@@ -132,7 +132,7 @@ class PageIO:
     def _hold(self, ticket: LoadTicket, entries: list[PageEntry]) -> None:
         """Lease the leading pages of `entries` that are now in memory for the ticket."""
         for e in entries:
-            if e.key not in self.store.index or not e.in_memory(self.store.mover.memory):
+            if e.key not in self.core.index or not e.in_memory(self.core.mover.memory):
                 break
             if e.warm is not None:
                 e.leases += 1
@@ -141,7 +141,7 @@ class PageIO:
 
     def _read(self, plan) -> list[bool]:
         try:
-            return self.store.mover.read(plan)
+            return self.core.mover.read(plan)
         except Exception as exc:  # noqa: BLE001 - the tier closed or failed: nothing is served, the slots go back
             log.warning("cold read of %d pages failed: %s", len(plan.entries), exc)
             return [bool(ok) for ok in plan.ok]
@@ -156,7 +156,8 @@ class PageIO:
     def _return_leases(self, ticket: LoadTicket) -> None:
         slots, ticket.leased = ticket.leased, []
         if slots:
-            self.store.release_warm(slots)
+            self.core.unlease(slots)
+            self.released()
 
     # writes
     def start_write(self, entries: Sequence[PageEntry]) -> "WriteJob | None":
@@ -164,15 +165,15 @@ class PageIO:
         Makes room in cold first (leaves before parents). Pages that cold cannot take (full, and
         nothing more of it may be evicted) are stranded as cold_full. The pages are marked
         `writing` until finish_write, which the caller owes every job, in the order started."""
-        store, mover = self.store, self.store.mover
+        core, mover = self.core, self.core.mover
         if mover.durable is None or not entries:
             return None
-        with store._lock:
+        with core.lock:
             plan = mover.plan_write(list(entries))
             if not plan.entries:
                 return None
             keys, fits = mover.cold_victims(plan.nbytes, {e.key for e in plan.entries})
-            if store.cold.disk_bound:
+            if core.cold.disk_bound:
                 self._disk_bound(len(keys))
             left: list[PageEntry] = []
             while not fits and plan.entries:   # keep the chain's head: drop from the tail
@@ -202,15 +203,15 @@ class PageIO:
         """Wait for a started write; mark its pages cold-resident once durable and return them. A page
         whose writes failed MAX_WRITE_FAILURES times (disk errors) is stranded as write_error; the
         others that failed stay dirty, queued."""
-        mover = self.store.mover
+        mover = self.core.mover
         failure = "write_error"
         try:
             failure = self._settle(job) if job.plan.entries else None
         finally:
-            with self.store._lock:
+            with self.core.lock:
                 done = mover.finish_write(job.plan, failure is None)
-                if done and self.store.remote is not None:   # durable in cold: on to the remote tier, queued
-                    self.store.remote.offer([(e.namespace, e.key) for e in done])   # before they are clean
+                if done and self.core.remote is not None:   # durable in cold: on to the remote tier, queued
+                    self.core.remote.offer([(e.namespace, e.key) for e in done])   # before they are clean
                 for e in job.plan.entries if failure else ():
                     e.write_failures += 1
                     if e.key in mover.index and (failure == "cold_full" or e.write_failures >= MAX_WRITE_FAILURES):
@@ -220,7 +221,7 @@ class PageIO:
     def _settle(self, job: "WriteJob") -> str | None:
         """Wait for the job's put_many; when cold is full, evict cold victims and put again. None once
         durable, else why not (cold_full, write_error): the pages stay in memory."""
-        store, plan = self.store, job.plan
+        core, plan = self.core, job.plan
         for attempt in range(FULL_RETRIES + 1):
             try:
                 if job.error is not None:
@@ -230,7 +231,7 @@ class PageIO:
                 if attempt < FULL_RETRIES and self._make_room(plan, (attempt + 1) * plan.nbytes):
                     job.error, job.future = None, None
                     try:
-                        job.future = store.mover.write(plan)
+                        job.future = core.mover.write(plan)
                     except Exception as again:  # noqa: BLE001 - refused at once again: the next round says
                         job.error = again
                     continue
@@ -251,15 +252,15 @@ class PageIO:
         self.evicted_for_room += evicted
         if evicted and not self._said_disk_bound:
             self._said_disk_bound = True
-            cold = self.store.cold
+            cold = self.core.cold
             log.warning("cold tier at %s: its disk (free space, cold.map_size_max) holds less than cold.max_bytes "
                         "= %d; it evicts at the disk's limit (%d bytes used)", cold.path, cold.max_bytes,
                         cold.used_bytes)
 
     def _make_room(self, plan, nbytes: int) -> bool:
         """Evict cold records of about `nbytes` (the cold policy's victims); False when none can go."""
-        with self.store._lock:
-            keys = self.store.mover.cold_room(nbytes, {e.key for e in plan.entries})
+        with self.core.lock:
+            keys = self.core.mover.cold_room(nbytes, {e.key for e in plan.entries})
         if not keys:
             return False
         self.evicted_for_room += len(keys)
@@ -284,14 +285,14 @@ class PageIO:
 
     def drop_cold(self, keys: Sequence[bytes]) -> None:
         """Delete cold records (already unindexed), blocking until durable."""
-        if keys and self.store.cold is not None:
+        if keys and self.core.cold is not None:
             failed = False
             try:
-                self.store.cold.evict(keys).result()
+                self.core.cold.evict(keys).result()
             except KVStoreError as exc:
                 failed = True
                 log.warning("deleting %d cold records failed: %s", len(keys), exc)
-            with self.store._lock:
-                self.store.mover.deleting.difference_update(keys)
+            with self.core.lock:
+                self.core.mover.deleting.difference_update(keys)
                 if failed:   # still stored, no longer indexed: deleted first next time cold needs room
-                    self.store.mover.unindexed.update(keys)
+                    self.core.mover.unindexed.update(keys)

@@ -1,3 +1,3 @@
-"""Which page is where and which goes next: the page index (`index`), the eviction policy over
-it (`policy`), and the policy registry (`registry`).
+"""Which page is where and which goes next: a page's record (`entry`), the page index over them
+(`index`), the eviction policy over it (`policy`), and the policy registry (`registry`).
 """

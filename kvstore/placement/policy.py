@@ -9,36 +9,34 @@ in each policy's order in a VictimQueue, so choosing a victim never scans the ti
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
+from kvstore.placement.entry import PageEntry
 from kvstore.placement.registry import Registry
 
-if TYPE_CHECKING:
-    from kvstore.placement.index import PageEntry
-
-POLICIES: Registry[Callable[["PageEntry"], tuple]] = Registry("eviction_policy", "kvstore.eviction_policies")
+POLICIES: Registry[Callable[[PageEntry], tuple]] = Registry("eviction_policy", "kvstore.eviction_policies")
 
 
 @POLICIES.register("lru")
-def lru(e: "PageEntry") -> tuple:
+def lru(e: PageEntry) -> tuple:
     """Least recently used first (a released sequence's tail is older than its head)."""
     return (e.last_access,)
 
 
 @POLICIES.register("lfu")
-def lfu(e: "PageEntry") -> tuple:
+def lfu(e: PageEntry) -> tuple:
     """Fewest hits first, then least recently used."""
     return (e.hits, e.last_access)
 
 
 @POLICIES.register("refcount")
-def refcount(e: "PageEntry") -> tuple:
+def refcount(e: PageEntry) -> tuple:
     """Lowest reference count first: live holders plus cached pages that extend this one."""
     return (e.refcount + e.children, e.last_access)
 
 
 @POLICIES.register("prefix_aware")
-def prefix_aware(e: "PageEntry") -> tuple:
+def prefix_aware(e: PageEntry) -> tuple:
     """Protect long and highly reused prefixes: leaves first, then by hits x depth, then LRU."""
     return (e.children > 0, (e.hits + 1) * (e.depth + 1), e.last_access)
 
@@ -47,7 +45,7 @@ def policy_names() -> list[str]:
     return POLICIES.names()
 
 
-def pick(policy: str, candidates: Iterable["PageEntry"], n: int) -> list["PageEntry"]:
+def pick(policy: str, candidates: Iterable[PageEntry], n: int) -> list[PageEntry]:
     """The n candidates this policy evicts first, in order."""
     return heapq.nsmallest(n, candidates, key=POLICIES.get(policy))
 
@@ -62,7 +60,7 @@ class VictimQueue:
     must never shrink without one, or its entry would come out late.
     """
 
-    def __init__(self, key: Callable[["PageEntry"], tuple], wanted: Callable[["PageEntry"], bool],
+    def __init__(self, key: Callable[[PageEntry], tuple], wanted: Callable[[PageEntry], bool],
                  size: Callable[[], int]):
         self.key, self.wanted, self.size = key, wanted, size
         self.heap: list[tuple] = []
@@ -70,16 +68,16 @@ class VictimQueue:
     def __len__(self) -> int:
         return len(self.heap)
 
-    def push(self, e: "PageEntry", key: tuple) -> None:
+    def push(self, e: PageEntry, key: tuple) -> None:
         heapq.heappush(self.heap, (key, e.seq, e.stamp, e))
         if len(self.heap) > 2 * self.size() + 64:
             self.rebuild(item[3] for item in self.heap if item[2] == item[3].stamp)
 
-    def rebuild(self, entries: Iterable["PageEntry"]) -> None:
+    def rebuild(self, entries: Iterable[PageEntry]) -> None:
         self.heap = [(self.key(e), e.seq, e.stamp, e) for e in entries if self.wanted(e)]
         heapq.heapify(self.heap)
 
-    def first(self, n: int, ok: Callable[["PageEntry"], bool]) -> list["PageEntry"]:
+    def first(self, n: int, ok: Callable[[PageEntry], bool]) -> list[PageEntry]:
         """Up to n wanted entries satisfying ok, smallest key first; the queue is left as it was."""
         out, seen = [], []
         if n <= 0:

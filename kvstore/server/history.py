@@ -1,7 +1,7 @@
 """The dashboard's recent past: a sampler that keeps the last few minutes of the server's rates.
 
-Every interval_s (2 s) the sampler reads the tiers' occupancy and the bytes they moved (under the
-store's lock, in a daemon worker thread), the engine's queue and the Metrics counters, and appends
+Every interval_s (2 s) the sampler reads the tiers' occupancy and the bytes they moved (one
+snapshot of the store, in a daemon worker thread), the engine's queue and the Metrics counters, and appends
 one sample, computed from the deltas since the previous reading, to a ring buffer of `size` (300:
 ten minutes). GET /v1/history serves the buffer as JSON:
 
@@ -59,11 +59,9 @@ class Reading:
 
 
 def tier_usage(store) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
-    """(tier -> (used, capacity bytes), direction -> bytes moved): counters only, under the store's lock."""
-    with store._lock:
-        used = {name: (tier.used_bytes, tier.capacity_bytes) if tier is not None else (0, 0)
-                for name, tier in (("hot", store.hot), ("warm", store.warm), ("cold", store.cold))}
-        return used, dict(store.mover.bytes_moved)
+    """(tier -> (used, capacity bytes), direction -> bytes moved): counters only, from one snapshot."""
+    snap = store.snapshot()
+    return dict(snap.tiers), dict(snap.bytes_moved)
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
@@ -113,8 +111,8 @@ def sample(prev: Reading, now: Reading) -> dict:
 class History:
     """A ring buffer of samples, one per interval_s, at most `size`.
 
-    read() takes the store's lock (a worker thread); record() and the buffer belong to the event
-    loop. The first reading is only a baseline: samples start one interval after start().
+    read() takes a snapshot of the store (a worker thread); record() and the buffer belong to the
+    event loop. The first reading is only a baseline: samples start one interval after start().
     """
 
     def __init__(self, store, daemon, metrics: Metrics, engine: Any = None, interval_s: float = INTERVAL_S,

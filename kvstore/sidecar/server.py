@@ -300,8 +300,7 @@ class SidecarServer:
         slots = self.store.allocate_warm(n, min(bound, wait_s) if wait_s is not None else bound, partial)
         if len(slots) == n:
             return slots, ""
-        with self.store._lock:
-            return slots, self.store.warm_shortage(n)
+        return slots, self.store.warm_shortage(n)
 
     async def put(self, s: Session, req: dict) -> dict:
         names = get_names(req) if "names" in req else None

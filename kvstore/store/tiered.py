@@ -3,27 +3,36 @@
 Pages live in an ordered list of tiers, hot (DeviceTier), warm (HostTier) and cold (DiskTier),
 built by name from the config (tiers/build.py), are named by hash-chained keys (keys.py), indexed
 by PageIndex (where, who holds them, how used), moved by PageMover and counted by MoveStats.
-Moving pages down on request and by watermarks is TierMaintenance's (maintenance.py).
+
+The store is built of parts, each given the narrow core they share (core.py: the lock, the
+config and spec, the tiers, the index, the mover) and what else they need, never the store:
+- HotPages (hot.py): the engine's verbs on hot pages (allocate, acquire, commit, release);
+- WarmSharing (sharing.py): another process sharing the warm tier (the sidecar's client):
+  lease_warm(keys) / allocate_warm(n) -> fill -> commit_warm(tokens, slots) -> release_warm(slots);
+- TierMaintenance (kvstore.movement.maintenance): moving pages down, on request and by watermarks;
+- the Daemon (kvstore.movement.daemon), the store's one background component, and its PageIO;
+- RemoteFetch (fetch.py): pages of the remote tier into warm.
+The store's verbs that are a part's are that part's methods (`Verb`: `store.evict` is
+`store.maintenance.evict`); the store itself opens and closes the parts, indexes the cold tier,
+trades records with peers, pins, and reports (stats, audit, snapshot).
 
 The store is the one door: the engine, the sidecar, the job runner, the admin API and the tests
 all call its verbs (event loops through `daemon.run`, on worker threads). The engine's requests
 go through a CacheHandle (handle.py): `store.handle(namespace)`, then match -> load (cold pages
 up to warm, in the background) -> attach (hold the cached prefix in hot) -> grow (fresh hot
 slots) -> fill -> commit -> release. Released pages stay cached (refcount 0) until evicted.
-Another process sharing the warm tier (the sidecar's client) does the same in warm
-(sharing.py, WarmSharing):
-lease_warm(keys) / allocate_warm(n) -> fill -> commit_warm(tokens, slots) -> release_warm(slots).
 
-Retention: a committed or put page joins the write-behind queue at once; the Daemon (daemon.py),
-the store's one background component, writes it to cold, demotes by watermarks, loads and trims.
-No page leaves the store while cold could take it: a page without a cold copy stays in memory
-until written, and producers wait (bounded) for room instead (Daemon.room_for).
+Retention: a committed or put page joins the write-behind queue at once; the Daemon writes it to
+cold, demotes by watermarks, loads and trims. No page leaves the store while cold could take it:
+a page without a cold copy stays in memory until written, and producers wait (bounded) for room
+instead (Daemon.room_for).
 
-Thread model: every public method takes one re-entrant lock. Methods the engine calls (match,
-acquire, allocate, commit_keys, release, lease_in_memory, hot_budget) work at memory speed and
-never touch the disk. Disk work (loads, write-behind, cold eviction) runs on the Daemon's
-threads outside the lock, or on the caller's thread for the blocking methods meant for worker
-threads (promote, lease_warm, allocate_warm, evict, flush, rebalance, export_records, close).
+Thread model: every public method takes the core's one re-entrant lock. Methods the engine calls
+(match, acquire, allocate, release, hot_budget) work at memory speed and never touch the disk.
+Disk work (loads, write-behind, cold eviction) runs on the Daemon's threads outside the lock, or
+on the caller's thread for the blocking methods meant for worker threads (promote, lease_warm,
+allocate_warm, evict, flush, rebalance, export_records, close). Readers that must not take the
+lock (the admin views, the dashboard's sampler) read `snapshot()`.
 Opening the store indexes the cold tier in the background: pages become visible as they are
 indexed (`indexing` says how far it is). A store with a cold tier or a shared warm tier owns
 its data directory (DataDir: private modes, an exclusive lock, the warm segment's name) until
@@ -36,58 +45,34 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from kvstore.config import Config
 from kvstore.datadir import DataDir
-from kvstore.errors import KVStoreError, OutOfCapacity
+from kvstore.errors import KVStoreError
 from kvstore.movement.daemon import Daemon
 from kvstore.movement.maintenance import TierMaintenance
-from kvstore.movement.move_stats import MoveStats
-from kvstore.movement.mover import PageMover
 from kvstore.pages import record
-from kvstore.pages.keys import Namespace, name_tokens, named_key, page_keys, tokens_bytes
+from kvstore.pages.keys import Namespace
 from kvstore.pages.record import RecordHeader
 from kvstore.pages.spec import KVSpec
-from kvstore.placement.index import TIERS, PageEntry, PageIndex
+from kvstore.placement.index import PageEntry
 from kvstore.remote import open_remote
-from kvstore.remote.landing import WarmLanding
+from kvstore.store.core import Listener, Match, StoreCore  # noqa: F401 (Match: re-exported)
+from kvstore.store.fetch import RemoteFetch
 from kvstore.store.handle import CacheHandle
+from kvstore.store.hot import HotPages
 from kvstore.store.sharing import WarmSharing
+from kvstore.store.snapshot import StoreSnapshot, take_snapshot
 from kvstore.tiers.base import Tier
 from kvstore.tiers.build import Layer, build_tiers, layout
-from kvstore.tiers.device import DeviceTier, resolve_device
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.host import HostTier
+from kvstore.tiers.device import resolve_device
 from kvstore.tiers.peer_pages import PeerPages
 
-Listener = Callable[[str, bytes, str], None]   # (event "add" | "remove", key, tier)
 log = logging.getLogger("kvstore.store")
 INDEX_WAIT_S = 2.0   # how long services wait for the cold tier's index before serving without it
-
-
-@dataclass
-class Match:
-    """The longest cached prefix of a token sequence: one key and one tier per full page."""
-
-    namespace: Namespace
-    page_size: int
-    keys: list[bytes] = field(default_factory=list)
-    tiers: list[str] = field(default_factory=list)
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.keys)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.keys) * self.page_size
-
-    def counts(self) -> dict[str, int]:
-        return {t: self.tiers.count(t) for t in TIERS}
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -100,75 +85,91 @@ def free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-class TieredStore(WarmSharing, TierMaintenance):
+class Verb:
+    """A verb of the store that is one of its parts' methods: `store.<name>` is
+    `store.<part>.<name>` (the part's docstring says what it does)."""
+
+    def __init__(self, part: str):
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, store: "TieredStore | None", owner: type | None = None):
+        return self if store is None else getattr(getattr(store, self.part), self.name)
+
+
+class TieredStore:
     def __init__(self, config: Config, spec: KVSpec | None = None, model_id: str | None = None,
                  extra_tiers: Sequence[Layer] = ()):
         """`extra_tiers`: (role, backend, settings) of tiers to place between warm and cold."""
         self.config = config
         device = resolve_device(config.hot.device)
-        self.spec = spec or config.kv_spec(device.type)
+        spec = spec or config.kv_spec(device.type)
         self.model_id = model_id or config.model
         pool = config.hot.pool
         pool_bytes = int(pool * free_memory_bytes(device)) if isinstance(pool, float) else pool
-        if pool_bytes < self.spec.page_bytes:
-            raise KVStoreError(f"hot.pool ({pool_bytes} bytes) is smaller than one page "
-                               f"({self.spec.describe()})")
+        if pool_bytes < spec.page_bytes:
+            raise KVStoreError(f"hot.pool ({pool_bytes} bytes) is smaller than one page ({spec.describe()})")
         self.data_dir = (DataDir(config.data_dir).lock() if config.cold.enabled or config.warm.shared_memory
                          else None)
+        tiers: list[Tier] = []
         try:
-            self.tiers: list[Tier] = build_tiers(self.spec, layout(
-                config, self.spec, device, pool_bytes, self.data_dir.shm_name if self.data_dir else None, extra_tiers))
+            tiers = build_tiers(spec, layout(config, spec, device, pool_bytes,
+                                             self.data_dir.shm_name if self.data_dir else None, extra_tiers))
+            remote = open_remote(config, spec)
         except BaseException:
-            if self.data_dir is not None:
-                self.data_dir.unlock()
-            raise
-        self._by_name = {t.name: t for t in self.tiers}
-        try:
-            self.remote = open_remote(config, self.spec)
-        except BaseException:
-            for tier in self.tiers:
+            for tier in tiers:
                 tier.close()
             if self.data_dir is not None:
                 self.data_dir.unlock()
             raise
-        names = tuple(self._by_name)
-        self.index = PageIndex(config.eviction_policy, names, tuple(t.name for t in self.tiers if t.keyed))
-        self._lock = threading.RLock()
-        self._owned: set[int] = set()   # hot slots allocated to callers and not committed
-        self._warm_owned: set[int] = set()   # the same in warm (allocate_warm)
-        self._listeners: list[Listener] = []
-        # every built-in tier is reported, enabled or not
-        self.counts = MoveStats(names if "cold" in names else (*names, "cold"), self.spec.page_bytes)
-        self.mover = PageMover(self.spec, self.tiers, self.index, config.eviction_policy, self._emit, self.counts)
-        self.daemon = Daemon(self)
+        self.core = core = StoreCore(config, spec, tiers, remote)
+        self.spec, self.tiers, self.remote = spec, core.tiers, remote
+        self.hot, self.warm, self.cold = core.hot, core.warm, core.cold
+        self.index, self.mover, self.counts = core.index, core.mover, core.counts
+        self.daemon = Daemon(core)
         self.io = self.daemon.io   # the disk work, on the daemon's threads and worker threads
-        self._maintenance = threading.Lock()   # one rebalance at a time
+        self.pages = HotPages(core, self.daemon)
+        self.sharing = WarmSharing(core, self.daemon)
+        self.maintenance = TierMaintenance(core, self.daemon)
         self.indexing = {"done": self.cold is None, "pages": 0}
         self._closing = False
         self._indexer: threading.Thread | None = None
         if self.cold is not None:
             self._indexer = threading.Thread(target=self._index_cold, name="kvstore-cold-index", daemon=True)
             self._indexer.start()
-        self.daemon.start()
-        if self.remote is not None:
-            self._landing = WarmLanding(self._lock, self.mover, self.daemon, self.warm,
-                                        config.daemon.backpressure_timeout_s)
-            self.remote.lend(*self._landing.area)
-            if self.cold is not None:
-                self.remote.start(self.cold.records)
+        self.daemon.start(self.maintenance.rebalance)
+        self.fetcher = RemoteFetch(core, self.daemon)
 
-    # the tiers, by role
-    @property
-    def hot(self) -> DeviceTier:
-        return self._by_name["hot"]
+    # the parts' verbs (see hot.py, sharing.py, kvstore.movement.maintenance, fetch.py)
+    match = Verb("core")
+    allocate = Verb("pages")
+    commit_keys = Verb("pages")
+    acquire = Verb("pages")
+    release = Verb("pages")
+    promote = Verb("pages")
+    hot_budget = Verb("pages")
+    admission_budget = Verb("pages")
+    writes_pending = Verb("pages")
+    allocate_warm = Verb("sharing")
+    warm_shortage = Verb("sharing")
+    commit_warm = Verb("sharing")
+    commit_warm_named = Verb("sharing")
+    lease_warm = Verb("sharing")
+    lease_in_memory = Verb("sharing")
+    release_warm = Verb("sharing")
+    evict = Verb("maintenance")
+    clear_namespace = Verb("maintenance")
+    flush = Verb("maintenance")
+    rebalance = Verb("maintenance")
+    fetch_remote = Verb("fetcher")
+    fetch_remote_named = Verb("fetcher")
 
     @property
-    def warm(self) -> HostTier:
-        return self._by_name["warm"]
-
-    @property
-    def cold(self) -> DiskTier | None:
-        return self._by_name.get("cold")
+    def hot_pages(self) -> int:
+        """Pages the hot tier holds in all."""
+        return self.hot.num_pages
 
     @property
     def mismatched_pages(self) -> int:
@@ -189,7 +190,7 @@ class TieredStore(WarmSharing, TierMaintenance):
             self._index_chunk(chunk)
             keys, done = list(self.index.entries), {}
             for i in range(0, len(keys), 4096):   # a chunk per trip through the lock
-                with self._lock:
+                with self.core.lock:
                     self.index.compute_depths(keys[i:i + 4096], done)
         except KVStoreError as exc:
             log.warning("indexing the cold tier stopped: %s", exc)
@@ -197,7 +198,7 @@ class TieredStore(WarmSharing, TierMaintenance):
             self.indexing["done"] = True
 
     def _index_chunk(self, chunk: list) -> None:
-        with self._lock:
+        with self.core.lock:
             for key, header, _ in chunk:
                 if header is None or header.spec != self.spec.fingerprint or header.nbytes != self.spec.page_bytes:
                     self.mover.unindexed.add(key)
@@ -227,7 +228,7 @@ class TieredStore(WarmSharing, TierMaintenance):
         self.daemon.close(persist)
         if self.remote is not None:
             self.remote.close()
-        with self._lock:
+        with self.core.lock:
             for tier in reversed(self.tiers):
                 tier.close()
         if self.data_dir is not None:
@@ -244,193 +245,18 @@ class TieredStore(WarmSharing, TierMaintenance):
 
     def add_listener(self, fn: Listener) -> None:
         """fn(event, key, tier) on every residency change; called under the lock: must not block."""
-        self._listeners.append(fn)
-
-    def _emit(self, event: str, key: bytes, tier: str) -> None:
-        for fn in self._listeners:
-            fn(event, key, tier)
+        self.core.listeners.append(fn)
 
     def handle(self, namespace: Namespace) -> CacheHandle:
         """A request's door to its pages (see handle.py)."""
-        return CacheHandle(self, namespace)
-
-    # lookup
-    def match(self, tokens: Sequence[int], namespace: Namespace) -> Match:
-        """The longest prefix of full pages present in some tier, verified against the request."""
-        m = Match(namespace, self.spec.page_size)
-        ps = self.spec.page_size
-        with self._lock:
-            prev = namespace.digest
-            for i, key in enumerate(page_keys(namespace, tokens, ps)):
-                e = self.index.get(key)
-                if e is None:
-                    break
-                if e.namespace != namespace.digest or e.parent != prev or e.tokens != tokens_bytes(tokens[i * ps:(i + 1) * ps]):
-                    self.counts.count("mismatch")
-                    break
-                m.keys.append(key)
-                m.tiers.append(e.tier)
-                prev = key
-        return m
-
-    # callers' pages
-    def allocate(self, n: int) -> list[int]:
-        """n hot slots for the caller to fill, evicting unreferenced pages if needed; never oversubscribes.
-        Raises OutOfCapacity (`pending` when dirty pages hold the room until they are written)."""
-        with self._lock:
-            if not self.mover.make_room("hot", n):
-                self.daemon.kick()
-                dirty = self.mover.dirty_evictable("hot")
-                raise OutOfCapacity(
-                    f"out of KV capacity: {n} hot pages requested, {self.hot.pool.num_free} free of "
-                    f"{self.hot.num_pages} ({len(self._owned)} allocated, "
-                    f"{sum(1 for e in self.index.hot_slots.values() if e.refcount)} referenced, "
-                    f"{dirty} waiting for write-behind)", pending=dirty > 0)
-            slots = self.hot.pool.alloc(n)
-            self._owned.update(slots)
-            self._kick_if_high()
-            return slots
-
-    def writes_pending(self) -> bool:
-        """Whether pages wait for write-behind (room that the daemon's writer will free soon)."""
-        with self._lock:
-            return bool(self.index.dirty)
-
-    def _kick_if_high(self) -> None:
-        """Wake the background rebalance when hot or warm passes its high watermark."""
-        for pool, cfg in ((self.hot.pool, self.config.hot), (self.warm.pool, self.config.warm)):
-            if pool.num_slots and pool.num_used > cfg.high_watermark * pool.num_slots:
-                self.daemon.kick()
-                return
-
-    @property
-    def hot_pages(self) -> int:
-        """Pages the hot tier holds in all."""
-        return self.hot.num_pages
-
-    def admission_budget(self) -> int:
-        """Hot pages a new request may take now: hot_budget, less the headroom the high watermark
-        keeps for running requests to grow; nothing while the write-behind queue is at its bound
-        (a new request would only add to it)."""
-        with self._lock:
-            if self.daemon.over_bound():
-                return 0
-            reserve = int((1 - self.config.hot.high_watermark) * self.hot.num_pages)
-            return self.hot_budget() - reserve
-
-    def hot_budget(self) -> int:
-        """Hot pages a new request could get now, without waiting for the disk: free, plus evictable
-        pages that can leave at once (a copy elsewhere) or move to warm's free or clean slots."""
-        with self._lock:
-            now = self.index.now()
-            evictable = [e for e in self.index.hot_slots.values() if self.mover.evictable(e, "hot", now)]
-            dirty = sum(1 for e in evictable if e.residency <= 1 and not self.mover.droppable(e))
-            warm_room = 0
-            if dirty and self.warm.num_slots:
-                warm_room = self.warm.pool.num_free + len(self.mover.victims("warm", dirty, leaving=True))
-            return self.hot.pool.num_free + len(evictable) - dirty + min(dirty, warm_room)
-
-    def commit_keys(self, namespace: Namespace, tokens: Sequence[int], keys: Sequence[bytes],
-                    slots: Sequence[int], start_page: int, parent: bytes) -> list[bytes]:
-        """Give keys to pages start_page.. of `tokens`: slots[i] holds page start_page + i, filled by
-        the caller (a handle, which extends its chain and passes the keys).
-
-        The caller keeps holding each committed page (one reference). A page whose key is
-        already cached in hot stays the caller's private copy and is freed on release.
-        Pages committed before (by this caller) are skipped. New pages join the write-behind queue.
-        Returns the keys of those pages.
-        """
-        ps = self.spec.page_size
-        with self._lock:
-            prev, added = parent, False
-            for i, key in enumerate(keys, start=start_page):
-                slot, e = slots[i - start_page], self.index.get(key)
-                if slot not in self._owned:
-                    if e is None or e.hot != slot:
-                        raise KVStoreError(f"commit: hot slot {slot} is not allocated to the caller")
-                elif e is None or e.hot is None:
-                    if e is None:
-                        e = self.index.add(PageEntry(key, prev, namespace.digest,
-                                                     tokens_bytes(tokens[i * ps:(i + 1) * ps]), depth=i))
-                    self._owned.discard(slot)
-                    self.index.set_hot(e, slot)
-                    e.refcount += 1
-                    self._emit("add", key, "hot")
-                    added = True
-                prev = key
-            if added:
-                self.daemon.wake()
-        return list(keys)
-
-    def acquire(self, keys: Sequence[bytes]) -> list[int]:
-        """Hot slots holding these pages (a prefix chain), each now referenced once by the caller.
-
-        Pages in warm are copied up. Stops at the first page that is gone or only in cold (load
-        it first: promote, or a handle's load), so the result may be shorter than `keys`.
-        """
-        slots: list[int] = []
-        with self._lock:
-            chain = []
-            for key in keys:
-                e = self.index.get(key)
-                if e is None or not (self.mover.top in e.where or self.mover.stage in e.where):
-                    break
-                chain.append(e)
-            try:
-                copied = self.mover.promote_chain(chain)   # warm pages up in one batched copy
-                for e in chain:
-                    if e.key not in copied and not self.mover.ensure_hot(e):
-                        break
-                    e.refcount += 1
-                    e.hits += 1
-                    self.index.touch(e)
-                    slots.append(e.hot)
-            except OutOfCapacity:
-                self.release(slots)  # all or nothing: no reference survives a failed acquire
-                raise
-        return slots
-
-    def release(self, slots: Sequence[int]) -> None:
-        """Drop the caller's references and free its uncommitted slots; the tail ages first."""
-        with self._lock:
-            for slot in reversed(slots):
-                if slot in self._owned:
-                    self._owned.discard(slot)
-                    self.hot.pool.free([slot])
-                    continue
-                e = self.index.hot_slots.get(slot)
-                if e is None or e.refcount <= 0:
-                    raise KVStoreError(f"release: hot slot {slot} is not held")
-                e.refcount -= 1
-                self.index.touch(e)
-
-    def promote(self, keys: Sequence[bytes], to: str = "warm") -> int:
-        """Prefetch a prefix chain up to "warm" or "hot" without referencing it; returns pages done.
-        Blocks while cold pages are read (outside the lock): for worker threads."""
-        ticket = self.daemon.load(keys)
-        ready = ticket.wait()
-        with self._lock:
-            try:
-                if to != "hot":
-                    return ready
-                done = 0
-                for key in keys[:ready]:
-                    e = self.index.get(key)
-                    if e is None or not self.mover.ensure_hot(e):
-                        break
-                    done += 1
-                return done
-            except OutOfCapacity:
-                return done
-            finally:
-                self.daemon.end_load(ticket)
+        return CacheHandle(self.core, self.daemon, self.pages, self.sharing, namespace)
 
     # pages exchanged with peer instances, as cold-format records
     def export_records(self, namespace: bytes, keys: Sequence[bytes]) -> list[bytes]:
         """Records (kvstore.pages.record format) of a prefix chain of this namespace, from whichever tier
         holds each page; stops at the first page that is missing or unreadable."""
         out = []
-        with self._lock:
+        with self.core.lock:
             chain = []
             for key in keys:
                 e = self.index.get(key)
@@ -439,7 +265,7 @@ class TieredStore(WarmSharing, TierMaintenance):
                 chain.append(e)
         ticket = self.daemon.load([e.key for e in chain])   # cold pages come up to warm, outside the lock
         ticket.wait()
-        with self._lock:
+        with self.core.lock:
             try:
                 for e in chain[:ticket.ready]:
                     page = self.mover.page_bytes(e)
@@ -459,37 +285,11 @@ class TieredStore(WarmSharing, TierMaintenance):
         return self.daemon.take_room(len(records), self.config.daemon.backpressure_timeout_s,
                                      lambda room: self.mover.admit(source, headers[:room]))
 
-    def fetch_remote(self, tokens: Sequence[int], namespace: Namespace, known: int | None = None) -> tuple[int, int]:
-        """Bring the pages of `tokens` that the remote tier holds beyond the cached prefix into warm.
-        `known`: how many of the chain's pages the prefix index says the remote holds (None: ask it).
-        Returns (pages cached before, pages added). Blocks for the network: for worker threads;
-        failures are misses."""
-        ps = self.spec.page_size
-        local = self.match(tokens, namespace).num_pages
-        if self.remote is None or (known is not None and known <= local) or len(tokens) // ps <= local:
-            return local, 0
-        keys = page_keys(namespace, tokens, ps)
-        expect = [tokens_bytes(tokens[i * ps:(i + 1) * ps]) for i in range(local, len(keys))]
-        added = self.remote.fetch(namespace.digest, keys[local:], expect, keys[local - 1] if local else namespace.digest,
-                                  self._landing, None if known is None else known - local)
-        return local, added
-
-    def fetch_remote_named(self, names: Sequence[str], namespace: Namespace) -> int:
-        """fetch_remote for named pages (kvstore.pages.keys): the leading pages of `names` not cached here that
-        the remote tier holds, into warm. Returns the pages added."""
-        keys = [named_key(namespace, n) for n in names]
-        with self._lock:
-            local = next((i for i, k in enumerate(keys) if k not in self.index), len(keys))
-        if self.remote is None or local == len(keys):
-            return 0
-        return self.remote.fetch(namespace.digest, keys[local:], [name_tokens(n) for n in names[local:]],
-                                 namespace.digest, self._landing, roots=True)
-
     # operator controls
     def pin(self, keys: Iterable[bytes], ttl_s: float | None = None) -> int:
         """Keep these pages in the tiers they are in until unpinned or ttl_s (config pin_ttl_s) passes."""
         ttl = self.config.pin_ttl_s if ttl_s is None else ttl_s
-        with self._lock:
+        with self.core.lock:
             until = self.index.now() + ttl
             found = [e for e in map(self.index.get, keys) if e is not None]
             for e in found:
@@ -497,7 +297,7 @@ class TieredStore(WarmSharing, TierMaintenance):
             return len(found)
 
     def unpin(self, keys: Iterable[bytes]) -> int:
-        with self._lock:
+        with self.core.lock:
             found = [e for e in map(self.index.get, keys) if e is not None and e.pin_until]
             for e in found:
                 e.pin_until = 0.0
@@ -506,22 +306,22 @@ class TieredStore(WarmSharing, TierMaintenance):
     # observability
     def residency(self, keys: Sequence[bytes] | None = None) -> dict[bytes, tuple[str, bytes] | None]:
         """Each key's fastest tier and namespace digest (None when not cached); all pages without keys."""
-        with self._lock:
+        with self.core.lock:
             if keys is None:
                 return {k: (e.tier, e.namespace) for k, e in self.index.entries.items()}
             return {k: ((e.tier, e.namespace) if (e := self.index.get(k)) is not None else None) for k in keys}
 
     def tier_pages(self) -> dict[str, int]:
         """Pages per built-in tier, as stats()["tiers"][t]["pages"], without walking them (for samplers)."""
-        with self._lock:
+        with self.core.lock:
             return {name: self.index.count_in(name) for name in self.counts.tiers}
 
     def stats(self) -> dict:
-        with self._lock:
+        with self.core.lock:
             now = self.index.now()
             tiers, counts = {}, self.counts.snapshot()
             for name in counts["tiers"]:
-                tier, cfg = self._by_name.get(name), getattr(self.config, name, None)
+                tier, cfg = self.core.by_name.get(name), getattr(self.config, name, None)
                 entries = list(self.index.in_tier(name)) if tier is not None else []
                 tiers[name] = {
                     "capacity_bytes": tier.capacity_bytes if tier is not None else 0,
@@ -532,8 +332,8 @@ class TieredStore(WarmSharing, TierMaintenance):
                     "high_watermark": cfg.high_watermark if cfg else 1.0,
                     "low_watermark": cfg.low_watermark if cfg else 1.0,
                     **counts["tiers"][name]}
-            tiers["hot"]["allocated_pages"] = len(self._owned)
-            tiers["warm"]["allocated_pages"] = len(self._warm_owned)
+            tiers["hot"]["allocated_pages"] = len(self.core.owned)
+            tiers["warm"]["allocated_pages"] = len(self.core.warm_owned)
             tiers["warm"]["leased_pages"] = sum(1 for e in self.index.warm_slots.values() if e.leases)
             tiers["warm"]["loading_pages"] = len(self.mover.reading)
             if self.remote is not None:
@@ -557,11 +357,11 @@ class TieredStore(WarmSharing, TierMaintenance):
     def audit(self, cold: bool = True) -> dict:
         """Check the index against the tiers. `problems` is empty when everything agrees. The cold
         check reads every record's key (LMDB): `cold=False` skips it (the engine's debug checks)."""
-        with self._lock:
+        with self.core.lock:
             problems = []
-            owned = {"hot": self._owned, "warm": self._warm_owned | self.mover.reading}
+            owned = {"hot": self.core.owned, "warm": self.core.warm_owned | self.mover.reading}
             for name in (t for t in self.mover.names if t in self.mover.memory):
-                pool, slots = self._by_name[name].pool, set(self.index.at[name]) | owned.get(name, set())
+                pool, slots = self.core.by_name[name].pool, set(self.index.at[name]) | owned.get(name, set())
                 used = {s for s in range(pool.num_slots) if pool.is_used(s)}
                 if used != slots:
                     problems.append(f"{name}: {len(used)} slots used, {len(slots)} accounted for")
@@ -583,4 +383,10 @@ class TieredStore(WarmSharing, TierMaintenance):
                     problems.append(f"{e.key.hex()[:12]}: leased without a warm copy")
             return {"referenced_pages": sum(1 for e in self.index.entries.values() if e.refcount),
                     "total_refcount": sum(e.refcount for e in self.index.entries.values()),
-                    "allocated_slots": len(self._owned), "problems": problems}
+                    "allocated_slots": len(self.core.owned), "problems": problems}
+
+    def snapshot(self, pages: bool | Iterable[bytes] = False) -> StoreSnapshot:
+        """The store now, immutable (snapshot.py), for readers that must not take the lock: the tiers'
+        byte counters, the bytes moved, write-behind and drops; with `pages`, the pages too (True:
+        every page, O(pages); or the keys wanted)."""
+        return take_snapshot(self.core, self.daemon, pages)

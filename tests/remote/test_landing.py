@@ -199,9 +199,9 @@ def test_mooncake_lands_values_and_tells_the_rest_apart(tmp_path):
 
 def _warm_accounted(store) -> None:
     """Every used warm slot holds an indexed page or a caller's allocation: none is left reserved."""
-    with store._lock:
+    with store.core.lock:
         used = store.warm.pool.num_slots - store.warm.pool.num_free
-        assert used == len(store.index.warm_slots) + len(store._warm_owned)
+        assert used == len(store.index.warm_slots) + len(store.core.warm_owned)
 
 
 def test_a_fetch_adopts_what_warm_has_room_for_and_leaves_no_slot_reserved(tmp_path, single):

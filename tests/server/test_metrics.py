@@ -85,7 +85,7 @@ def drops(samples) -> dict[str, float]:
 
 def read_together(store) -> tuple[dict, dict]:
     """(the samples of /metrics, store.stats()) read under the store's lock, so that they agree."""
-    with store._lock:
+    with store.core.lock:
         return parse(Metrics(store).render().decode()), store.stats()
 
 
