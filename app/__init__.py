@@ -2,6 +2,7 @@
 
     app/cli.py    the `kvstore` command: the store's commands (kvstore.cli) plus serve and job
     app/serve.py  `kvstore serve`: store, engine, OpenAI API and admin API in one process
+    app/api/      the OpenAI-compatible HTTP API over the engine (and its config section)
     app/job/      `kvstore job run`: long-document QA jobs
     app/bench/    the engine benchmarks (scripts/bench_engine)
 

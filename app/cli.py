@@ -1,9 +1,10 @@
 """The `kvstore` command (the console script): the store's commands plus the application's
-(`serve`, `job`), all reading the engine's config tree (engine.config.Config)."""
+(`serve`, `job`), all reading one config tree (app.api.config.Config: the store's, the engine's and
+the API's sections)."""
 
 from __future__ import annotations
 
-from engine.config import Config
+from app.api.config import Config
 from kvstore import cli
 
 # in the order `kvstore --help` lists them

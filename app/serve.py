@@ -19,7 +19,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from engine.config import Config
+from app.api.config import Config
 from kvstore.config import add_config_options, config_from_args
 from kvstore.errors import ConfigError
 
@@ -105,8 +105,8 @@ def check_port(key: str, host: str, port: int) -> None:
 
 async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> None:
     """Serve until SIGINT/SIGTERM; on_ready(api_url, admin_url) once warmed up."""
+    from app.api.server import api_runner, create_app, warm_up
     from engine import LLM, AsyncLLM
-    from engine.api import api_runner, create_app, warm_up
     from kvstore.cluster.node import CLUSTER, ClusterNode, make_prefetch
     from kvstore.server.admin import admin_url, create_admin_app, set_draining, start_admin
     from kvstore.server.metrics import Metrics

@@ -1,15 +1,15 @@
-"""The engine's sections of the config tree (engine, scheduler, server), and the tree they extend.
+"""The engine's sections of the config tree (engine, scheduler), and the tree they extend.
 
 `Config` is the store's tree (kvstore.config.Config) plus these sections: one file, one
 precedence (defaults < file < KVSTORE_* environment < flags), one `kvstore config --keys`.
-Every program that runs the engine loads this tree; the store alone loads its own.
+The store alone loads its own tree; the `kvstore` programs load app.api.config's, which adds the
+API's server section.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, ClassVar
 
 from kvstore import config as store_config
 from kvstore.config import _bool, _int, _str, mapping, opt
@@ -45,37 +45,12 @@ class SchedulerConfig:
                               lambda v: all(n >= 0 for n in v.values()))
 
 
-def _tenant(v: Any) -> str:
-    if v is None:
-        return ""
-    if not isinstance(v, str):
-        raise ValueError
-    return v.strip()
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = opt("127.0.0.1", _str, "an address to bind")
-    port: int = opt(8000, _int, "a port number in 0..65535", lambda v: 0 <= v <= 65535)
-    served_model_name: str = opt("", _str, "the model id the API answers to (empty: the preset's name or the "
-                                 "model directory's name)")
-    api_key: str = opt("", _str, "a bearer token every /v1/* request must carry (tenant: the default one; "
-                       "empty: no key)")
-    api_keys: dict = opt({}, mapping(_tenant), "a mapping API key -> tenant (or 'KEY1=alice,KEY2=bob'): a request's "
-                         "tenant is its key's", lambda v: all(k for k in v))
-    trust_tenant_header: bool = opt(False, _bool, "true or false (true: the X-Tenant header chooses the tenant, "
-                                    "for a gateway that authenticates users itself)")
-
-
 @dataclass(frozen=True)
 class Config(store_config.Config):
     """The store's config tree with the engine's sections."""
 
-    SECRET_KEYS: ClassVar[tuple[str, ...]] = (*store_config.Config.SECRET_KEYS, "server.api_key", "server.api_keys")
-
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
 
 
 load_config = partial(store_config.load_config, root=Config)

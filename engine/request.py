@@ -48,6 +48,7 @@ class RequestOutput:
     cached_tokens: dict[str, int]
     prefill_tokens: int
     error: str | None = None               # set when finish_reason is "error": what went wrong
+    prompt_logprobs: list[dict | None] | None = None   # with SamplingParams.prompt_logprobs: per prompt token
 
 
 @dataclass(eq=False)
@@ -72,13 +73,14 @@ class Request:
     finish_reason: str | None = None
     text: str = ""
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None   # per prompt token so far; the first has none (None)
     generator: torch.Generator | None = None
     sampler: SamplerState = field(default_factory=SamplerState)   # sample()'s state between its steps
     preemptions: int = 0
     preempted_step: int = -1               # the scheduler step that last preempted it
     load_tried: bool = False               # a load of its cached prefix was started (or not needed)
     load_deadline: float = 0.0             # monotonic; LOADING gives up then (prefetch.policy timeout)
-    stuck_since: float | None = None       # monotonic; when it last failed to get a page, alone
+    stuck_since: float | None = None       # monotonic; when its current spell of steps stuck alone began
     error: str | None = None
 
     def __post_init__(self):
@@ -86,12 +88,31 @@ class Request:
             self.tokens = list(self.prompt)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[len(self.prompt):]
+
+    @property
+    def cacheable(self) -> int:
+        """How many of its leading tokens may come from a cached prefix: all but the last (computed
+        to sample from). A request with prompt logprobs needs the logits of every prompt position
+        (position p gives token p + 1's logprob), so it reuses no cached prefix for the positions
+        whose logprobs it has yet to compute: none at first, after a preemption those it has."""
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt):
+            return len(self.prompt_logprobs) - 1
+        return len(self.tokens) - 1
+
+    def scored(self, start: int, n: int) -> range:
+        """The positions among start .. start + n - 1 whose logits give a prompt token's logprob it
+        has yet to compute."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(start + n, len(self.prompt) - 1))
 
     @property
     def pending(self) -> int:
@@ -106,4 +127,5 @@ class Request:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             ttft_s=self.first_token_at - self.arrival if self.first_token_at else None,
             latency_s=done - self.arrival if done else None,
-            cached_tokens=dict(self.cached_tokens), prefill_tokens=self.prefill_tokens, error=self.error)
+            cached_tokens=dict(self.cached_tokens), prefill_tokens=self.prefill_tokens, error=self.error,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None)

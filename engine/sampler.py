@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)   # stop strings, matched on the decoded text
     logprobs: int | None = None     # None: none; 0: the chosen token's; k: also the top k
+    prompt_logprobs: int | None = None   # the same for each prompt token but the first (vLLM's): given those before
     ignore_eos: bool = False
     presence_penalty: float = 0.0   # subtracted from the logit of each token generated so far (OpenAI's)
     frequency_penalty: float = 0.0  # times a token's count in the output so far, subtracted from its logit
@@ -54,6 +55,8 @@ class SamplingParams:
              "a list of non-empty strings"),
             (self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
              "an integer in [0, 20]"),
+            (self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+             "prompt_logprobs", "an integer in [0, 20]"),
             (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
              "a number in [-2, 2]"),
             (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
@@ -184,9 +187,20 @@ def _penalize(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor, 
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> dict:
+    """The logprob of `token` under one row of logits [vocab], and with k the top k (id, logprob)."""
+    return tokens_logprobs(logits[None], [token], k)[0]
+
+
+def tokens_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[dict]:
+    """token_logprobs of each row of logits [rows, vocab] and its token, at once. A token at or past
+    the rows' width (one the tokenizer cannot produce) has logprob -inf."""
     lp = logits.log_softmax(-1)
-    out = {"token_id": token, "logprob": float(lp[token])}
+    width = lp.shape[-1]
+    ids = torch.tensor(tokens, dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, ids.clamp(max=width - 1)[:, None])[:, 0].masked_fill(ids >= width, float("-inf"))
+    out = [{"token_id": t, "logprob": v} for t, v in zip(tokens, chosen.tolist())]
     if k:
-        top = torch.topk(lp, k)
-        out["top"] = [(int(i), float(v)) for v, i in zip(top.values, top.indices)]
+        top = torch.topk(lp, min(k, width))
+        for entry, values, indices in zip(out, top.values.tolist(), top.indices.tolist()):
+            entry["top"] = list(zip(indices, values))
     return out

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from conftest import REPO
 
-from engine.config import Config, key_paths, load_config
+from app.api.config import Config, key_paths, load_config
 from kvstore import config as store_config
 from kvstore.config import ConfigError, env_name, parse_set
 

@@ -12,8 +12,8 @@ import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
 from engine import LLM
-from engine.api import create_app, warm_up
-from engine.llm import AsyncLLM
+from app.api.server import create_app, warm_up
+from engine.async_llm import AsyncLLM
 from engine.config import load_config
 from kvstore.pages.keys import page_keys
 from kvstore.tiers.disk import DiskTier

@@ -5,9 +5,7 @@ against the document; afterwards the server is healthy and the store's index agr
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import urllib.parse
 
 import pytest
@@ -15,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from httputil import KeptAlive
+from httputil import ThreadedServer
 from kvstore.server import admin_url, create_admin_app, start_admin
 from kvstore.server.openapi import DOCUMENT
 from storeutil import make_config, make_store
@@ -68,41 +66,23 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     max_leaves=20)
 
 
-class ThreadedAdmin:
-    """An admin server over a populated tiny store, on its own event loop in a thread (so that
-    hypothesis's synchronous tests can talk to it), with a keep-alive HTTP client."""
+class ThreadedAdmin(ThreadedServer):
+    """An admin server over a populated tiny store."""
 
     def __init__(self, tmp_path):
         self.store = make_store(tmp_path)
         self.facts = populate(self.store)
         self.config = make_config(tmp_path, **{"admin.port": 0, "admin.token": TOKEN,
                                                "admin.max_body_bytes": "64KiB"})
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._serve(),), daemon=True)
-        self.requests = 0
+        super().__init__()
         self.validators: dict = {}
 
-    async def _serve(self) -> None:
-        self.stopping = asyncio.Event()
+    async def serve(self):
         runner = await start_admin(create_admin_app(self.store, self.config), self.config)
-        self.url = admin_url(runner)
-        self.ready.set()
-        await self.stopping.wait()
-        await runner.cleanup()
+        host, port = admin_url(runner).split("//")[1].rsplit(":", 1)
+        return runner, host, int(port)
 
-    def __enter__(self) -> "ThreadedAdmin":
-        self.thread.start()
-        assert self.ready.wait(30), "the admin server did not start"
-        host, port = self.url.split("//")[1].rsplit(":", 1)
-        self.http = KeptAlive(host, int(port), timeout=30)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.http.close()
-        self.loop.call_soon_threadsafe(self.stopping.set)
-        self.thread.join(30)
-        self.loop.close()
+    def close(self) -> None:
         self.store.close()
 
     def request(self, method: str, path: str, body: bytes | None = None, auth: str | None = None) -> tuple[int, bytes]:

@@ -1,6 +1,6 @@
 """The OpenAI API's responses: a parsed request (Job) and how its engine outputs become choices,
-streamed chunks, logprobs and usage, in OpenAI's shapes (with vLLM's and kvstore's extensions:
-token_ids, prompt_token_ids, usage.kvstore)."""
+streamed chunks, logprobs (an echoed prompt's too) and usage, in OpenAI's shapes (with vLLM's and
+kvstore's extensions: token_ids, prompt_token_ids, usage.kvstore)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import itertools
 from dataclasses import dataclass
 
 from engine.request import RequestOutput
-from kvstore.placement.index import CACHE_TIERS
 from engine.sampler import SamplingParams
+from kvstore.placement.index import CACHE_TIERS
+
+LOGPROB_FLOOR = -9999.0     # the least logprob answered (vLLM's), so that -inf stays JSON
 
 
 @dataclass
@@ -46,14 +48,17 @@ def streamable(text: str, stops: list[str]) -> str:
     return text[:end - hold]
 
 
-def completion_logprobs(tok, entries: list[dict], offset: int) -> dict:
-    """OpenAI's completions logprobs; text_offset counts from `offset` in the generated text."""
-    tokens = [tok.decode([e["token_id"]]) for e in entries]
+def completion_logprobs(tok, entries: list[dict | None], offset: int, token_ids: list[int] | None = None) -> dict:
+    """OpenAI's completions logprobs; text_offset counts from `offset` in the choice's text. An entry
+    None (an echoed prompt's first token, whose id is token_ids[i]) has no logprob, as in vLLM; a
+    logprob of -inf (a prompt token the tokenizer cannot produce) is given as -9999, vLLM's floor."""
+    ids = [e["token_id"] if e is not None else token_ids[i] for i, e in enumerate(entries)]
+    tokens = [tok.decode([t]) for t in ids]
     offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))[:len(tokens)]
-    top = [{**{tok.decode([t]): lp for t, lp in e.get("top", [])}, token: e["logprob"]}
-           for e, token in zip(entries, tokens)]
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": top,
-            "text_offset": offsets}
+    logprobs = [None if e is None else max(e["logprob"], LOGPROB_FLOOR) for e in entries]
+    top = [None if e is None else {**{tok.decode([t]): lp for t, lp in e.get("top", [])}, token: lp}
+           for e, token, lp in zip(entries, tokens, logprobs)]
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def chat_logprobs(tok, entries: list[dict]) -> dict:
@@ -97,8 +102,14 @@ class Choice:
         else:
             choice["text"] = self.job.echoed(self.index) + delta if first else delta
         entries = (out.logprobs or [])[self.tokens:]
-        choice["logprobs"] = None if out.logprobs is None else chat_logprobs(self.tok, entries) if self.chat \
-            else completion_logprobs(self.tok, entries, len(self.text))
+        if out.logprobs is None:
+            choice["logprobs"] = None
+        elif self.chat:
+            choice["logprobs"] = chat_logprobs(self.tok, entries)
+        else:   # the first chunk starts with the echoed prompt's logprobs, if any
+            echoed = (out.prompt_logprobs or []) if first else []
+            offset = 0 if first else len(self.job.echoed(self.index)) + len(self.text)
+            choice["logprobs"] = completion_logprobs(self.tok, echoed + entries, offset, out.prompt_token_ids)
         choice["finish_reason"] = out.finish_reason
         if self.job.return_token_ids:
             choice["token_ids"] = out.token_ids[self.tokens:]
@@ -115,7 +126,8 @@ def final_choice(index: int, out: RequestOutput, job: Job, chat: bool, tok) -> d
         choice["logprobs"] = None if out.logprobs is None else chat_logprobs(tok, out.logprobs)
     else:
         choice["text"] = job.echoed(index) + out.text
-        choice["logprobs"] = None if out.logprobs is None else completion_logprobs(tok, out.logprobs, 0)
+        choice["logprobs"] = None if out.logprobs is None else completion_logprobs(
+            tok, (out.prompt_logprobs or []) + out.logprobs, 0, out.prompt_token_ids)
     choice["finish_reason"] = out.finish_reason
     if job.return_token_ids:
         choice["token_ids"] = out.token_ids

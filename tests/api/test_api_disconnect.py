@@ -1,5 +1,5 @@
 """A request whose client disconnects is aborted and its pages released, streamed or not, on a
-server run as `kvstore serve` runs it (engine.api.api_runner and a TCPSite; aiohttp's default AppRunner
+server run as `kvstore serve` runs it (app.api.server.api_runner and a TCPSite; aiohttp's default AppRunner
 does not cancel a handler whose client left, aiohttp's test server does)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from engine import AsyncLLM
-from engine.api import api_runner, create_app
+from app.api.server import api_runner, create_app
 from test_api import make_llm
 
 MAX_TOKENS = 3900           # minutes of generation on the tiny preset if nobody stops it

@@ -4,6 +4,7 @@ spoken to with aiohttp and with the official `openai` client; and `kvstore serve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
 from engine import LLM, AsyncLLM, SamplingParams
-from engine.api import create_app, warm_up
+from app.api.server import create_app, warm_up
 from engine.config import load_config
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -76,6 +77,18 @@ async def start_api(llm: LLM, **app_options):
     return engine, app, server
 
 
+@contextlib.asynccontextmanager
+async def serving(llm: LLM, **app_options):
+    """The API over `llm`, started and warmed up; stopped on exit."""
+    engine, app, server = await start_api(llm, **app_options)
+    await warm_up(engine, app)
+    try:
+        yield server
+    finally:
+        await server.close()
+        await engine.stop()
+
+
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     llm = make_llm(tmp_path_factory.mktemp("api"))
@@ -85,11 +98,8 @@ def llm(tmp_path_factory):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(llm):
-    engine, app, server = await start_api(llm)
-    await warm_up(engine, app)
-    yield server
-    await server.close()
-    await engine.stop()
+    async with serving(llm) as server:
+        yield server
 
 
 @pytest_asyncio.fixture(loop_scope="module")
@@ -291,7 +301,6 @@ BAD_REQUESTS = [
     ("unsupported response_format", completion("x", response_format={"type": "json_object"}),
      'response_format = {"type": "json_object"}: not supported', "response_format"),
     ("tools", completion("x", tools=[{"type": "function"}]), "tools = [", "tools"),
-    ("echo with logprobs", completion("x", echo=True, logprobs=1), "echo with logprobs", "echo"),
     ("token id out of the vocabulary", completion([1, 99999]), "token ids must be integers", None),
 ]
 

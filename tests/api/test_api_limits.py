@@ -8,8 +8,7 @@ import pytest
 import pytest_asyncio
 import aiohttp
 
-from engine.api import warm_up
-from test_api import Api, make_llm, start_api
+from test_api import Api, make_llm, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -21,11 +20,8 @@ CHAT = [{"role": "user", "content": "x" * 10}]
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tmp_path_factory):
     llm = make_llm(tmp_path_factory.mktemp("limits"), max_seq_len=str(CONTEXT))
-    engine, app, server = await start_api(llm)
-    await warm_up(engine, app)
-    yield server
-    await server.close()
-    await engine.stop()
+    async with serving(llm) as server:
+        yield server
     llm.close()
 
 

@@ -7,11 +7,9 @@ step failed and nothing was logged as an error."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
-import threading
 
 import pytest
 from aiohttp import web
@@ -19,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import AsyncLLM
-from httputil import KeptAlive
-from engine.api import create_app, warm_up
-from engine.openai_models import ROLES
-from engine.config import ServerConfig
+from httputil import ThreadedServer
+from app.api.server import create_app, warm_up
+from app.api.models import ROLES
+from app.api.config import ServerConfig
 from test_api import make_llm
 
 CONTEXT = 64                # max_seq_len: a chat request's default max_tokens stays short
@@ -108,45 +106,31 @@ def mutated(path: str) -> st.SearchStrategy:
     return st.tuples(valid_body(path), st.lists(change, max_size=3)).map(mutate)
 
 
-class ThreadedApi:
+class ThreadedApi(ThreadedServer):
     """The OpenAI API over the tiny preset, served as `kvstore serve` serves it (an AppRunner and
-    a TCPSite, no handler cancellation), on its own event loop in a thread so that hypothesis's
-    synchronous tests can talk to it over a keep-alive http.client connection."""
+    a TCPSite, no handler cancellation)."""
+
+    wait_s = 60
 
     def __init__(self, tmp_path):
         self.llm = make_llm(tmp_path, max_seq_len=str(CONTEXT))
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._serve(),), daemon=True)
-        self.requests = 0
+        super().__init__()
         self.statuses: dict[int, int] = {}
 
-    async def _serve(self) -> None:
-        self.stopping = asyncio.Event()
+    async def serve(self):
         self.engine = AsyncLLM(self.llm)
         await self.engine.start()
         app = create_app(self.engine, ServerConfig(trust_tenant_header=True), max_body_bytes=1 << 20)
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
-        self.port = runner.addresses[0][1]
         await warm_up(self.engine, app)
-        self.ready.set()
-        await self.stopping.wait()
-        await runner.cleanup()
+        return runner, "127.0.0.1", runner.addresses[0][1]
+
+    async def stop(self) -> None:
         await self.engine.stop()
 
-    def __enter__(self) -> "ThreadedApi":
-        self.thread.start()
-        assert self.ready.wait(120), "the API server did not start"
-        self.http = KeptAlive("127.0.0.1", self.port, timeout=60)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.http.close()
-        self.loop.call_soon_threadsafe(self.stopping.set)
-        self.thread.join(60)
-        self.loop.close()
+    def close(self) -> None:
         self.llm.close()
 
     def request(self, method: str, path: str, body: bytes | None = None,

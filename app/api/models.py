@@ -181,7 +181,7 @@ def parse(model: type[M], body: dict) -> M:
 
 @functools.cache
 def openapi_document() -> dict:
-    """This API's OpenAPI document: the request bodies from engine.openai_models."""
+    """This API's OpenAPI document: the request bodies from app.api.models."""
     bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest,
               "/tokenize": TokenizeCompletion, "/detokenize": DetokenizeRequest}
     _, schemas = models_json_schema([(m, "validation") for m in (*bodies.values(), TokenizeChat)],

@@ -20,15 +20,18 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
 import torch
 
-from kvstore import __version__
 from conftest import clean_env, terminate
-from hfutil import write_hf_model
+from kvstore import __version__
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from hfutil import write_hf_model  # noqa: E402
 
 KEY, ALICE, BOB = "sk-default-0d1e", "sk-alice-93ab", "sk-bob-71c2"
 DOC = "The quick brown fox jumps over the lazy dog. Pages move between the hot, warm and cold tiers. " * 2
