@@ -6,7 +6,7 @@ for every subcommand) does not pull in the model code.
 
 import importlib
 
-_EXPORTS = {"LLM": "engine.llm", "AsyncLLM": "engine.llm", "QueueFull": "engine.request",
+_EXPORTS = {"LLM": "engine.llm", "AsyncLLM": "engine.async_llm", "QueueFull": "engine.request",
             "RequestOutput": "engine.request", "InvalidRequest": "engine.sampler", "SamplingParams": "engine.sampler"}
 
 __all__ = list(_EXPORTS)

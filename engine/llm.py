@@ -1,4 +1,4 @@
-"""LLM (synchronous) and AsyncLLM (an engine loop in a thread, for the HTTP API).
+"""LLM: the engine, stepped synchronously (engine.async_llm runs it in a thread for the HTTP API).
 
     from engine import LLM, SamplingParams
     llm = LLM(model="tiny")                      # a preset or a Hugging Face directory
@@ -10,20 +10,17 @@ Keyword options are config keys: top-level ones by name (page_size=16), the engi
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import logging
-import threading
-import time
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from engine.attention import create_backend
 from engine.loader import load_model
 from engine.model import can_prepack
-from engine.request import QueueFull, Request, RequestOutput, Status, StepFailed
+from engine.request import Request, RequestOutput, Status
 from engine.runner import ModelRunner
 from engine.sampler import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler
@@ -71,12 +68,11 @@ class LLM:
         self.backend = create_backend(cfg.engine.attention_backend, device, spec.torch_dtype, self.loaded.shape.head_dim)
         self.runner = ModelRunner(self.loaded.model, self.store.hot, self.store.warm, self.backend,
                                   min(self.tokenizer.vocab_size, self.loaded.shape.vocab_size))
-        self.scheduler = Scheduler(self.store, cfg)
-        self.scheduler.can_spill = self.backend.supports_spill and self.store.warm.num_slots > 0
+        self.can_spill = self.backend.supports_spill and self.store.warm.num_slots > 0
         # a cached prefix in warm is leased there and attended in place (the CPU's native kernel)
-        self.scheduler.warm_in_place = (self.scheduler.can_spill and self.backend.reads_warm_in_place
-                                        and self.store.hot.device.type == "cpu")
-        self.inbox: collections.deque[Request] = collections.deque()
+        warm_in_place = (self.can_spill and self.backend.reads_warm_in_place
+                         and self.store.hot.device.type == "cpu")
+        self.scheduler = Scheduler(self.store, cfg, self.can_spill, warm_in_place)
         self.aborted: collections.deque[str] = collections.deque()   # request ids, from any thread
         self.fault: Callable[[list[tuple[Request, int]]], None] | None = None   # test hook: raise to fail a step
         self.failed_steps = 0
@@ -97,7 +93,7 @@ class LLM:
         if len(ids) + 1 > self.max_seq_len:
             raise InvalidRequest(f"prompt is {len(ids)} tokens; the maximum sequence length is {self.max_seq_len}")
         pages = self.store.spec.pages_for(len(ids) + 1)
-        room = self.store.hot.num_pages + (self.store.warm.num_slots if self.scheduler.can_spill else 0)
+        room = self.store.hot.num_pages + (self.store.warm.num_slots if self.can_spill else 0)
         if pages > room:
             raise InvalidRequest(f"prompt needs {pages} KV pages; the hot and warm tiers hold {room} "
                                  "(raise hot.pool or warm.bytes)")
@@ -106,73 +102,59 @@ class LLM:
 
     def submit(self, req: Request) -> None:
         """Queue a request (thread-safe); QueueFull past scheduler.max_queue_depth."""
-        depth = len(self.scheduler.waiting) + len(self.scheduler.loading) + len(self.inbox)
-        if depth >= self.config.scheduler.max_queue_depth:
-            raise QueueFull(depth)
-        self.inbox.append(req)
+        self.scheduler.add(req)
 
     def has_work(self) -> bool:
-        return bool(self.inbox) or self.scheduler.has_work()
+        return self.scheduler.has_work()
 
     # the loop
     def step(self) -> list[Request]:
-        """One engine step; returns the requests that advanced (got a token or finished).
+        """One engine step: schedule, execute, postprocess; returns the requests that advanced (got
+        a token or finished).
 
         An exception inside the step fails only the requests of that step (finish_reason "error",
         their pages released); it is logged once with its traceback and the engine goes on."""
-        while self.inbox:
-            self.scheduler.waiting.append(self.inbox.popleft())
-        changed = self._abort()
+        ids = set()
+        while self.aborted:
+            ids.add(self.aborted.popleft())
+        changed = self.scheduler.abort(ids) if ids else []
         batch: list[tuple[Request, int]] = []
         try:
             batch = self.scheduler.schedule()
-            changed += self._run(batch)
-            if self.config.engine.check_invariants:
-                problems = self.scheduler.check()
-                if problems:
-                    raise RuntimeError("engine invariants broken: " + "; ".join(problems[:5]))
+            changed += self.scheduler.ended
+            if batch:
+                changed += self._postprocess(batch, self._execute(batch))
+            else:
+                changed += self.scheduler.idle()
+            if self.config.engine.check_invariants and (problems := self.scheduler.check()):
+                raise RuntimeError("engine invariants broken: " + "; ".join(problems[:5]))
         except Exception as exc:  # noqa: BLE001 - one step's failure must not stop the engine
             changed += self._fail_step(batch, exc)
         return changed
 
-    def _run(self, batch: list[tuple[Request, int]]) -> list[Request]:
-        changed = []
-        for req in self.scheduler.stalled:
-            if req.status is not Status.FINISHED:
-                self._finish(req, "length")
-                changed.append(req)
-        self.scheduler.stalled.clear()
-        if not batch:
-            if self.scheduler.loading:
-                self.scheduler.wait_for_loads(0.005)   # nothing to compute until a load lands
-            elif self.scheduler.waiting and not self.scheduler.running and self.scheduler.stuck(
-                    self.scheduler.waiting[0]):   # cannot fit even alone (pinned pages, quota)
-                req = self.scheduler.waiting[0]
-                self._finish(req, "abort")
-                changed.append(req)
-            elif self.scheduler.has_work():
-                time.sleep(0.002)   # nothing can run until the background frees pages
-            return changed
+    def _execute(self, batch: list[tuple[Request, int]]) -> list[Request]:
         if self.fault is not None:
             self.fault(batch)
-        for req in self.runner.execute(batch):
+        return self.runner.execute(batch)
+
+    def _postprocess(self, batch: list[tuple[Request, int]], sampled: list[Request]) -> list[Request]:
+        """Stop checks for the requests that got a token, then the keys of the pages that filled up."""
+        for req in sampled:
             if req.error:
-                self._finish(req, "error")
+                self.scheduler.finish(req, "error")
             else:
                 self._check_stop(req)
-            changed.append(req)
         for req, _ in batch:
             if req.status is Status.RUNNING:
-                self.scheduler.commit(req)
-        return changed
+                self.scheduler.admission.commit(req)
+        return sampled
 
     def _fail_step(self, batch: list[tuple[Request, int]], exc: Exception) -> list[Request]:
         """Fail the step's requests. When scheduling itself failed: the request it was scheduling
         (else every running one), so that a request that cannot be scheduled never fails step
         after step."""
         self.failed_steps += 1
-        culprit = self.scheduler.current
-        victims = [r for r, _ in batch] or ([culprit] if culprit is not None else list(self.scheduler.running))
+        victims = [r for r, _ in batch] or self.scheduler.culprits()
         log.error("engine step %d failed; failing its %d requests", self.scheduler.step_no, len(victims),
                   exc_info=exc)
         failed = []
@@ -181,31 +163,16 @@ class LLM:
                 continue
             req.error = f"internal error in the engine step: {type(exc).__name__}: {exc}"
             try:
-                self._finish(req, "error")
+                self.scheduler.finish(req, "error")
             except Exception:  # noqa: BLE001 - its pages may be inconsistent; still take it out of the queues
                 log.exception("releasing the pages of failed request %s failed", req.id)
-                for queue in (self.scheduler.running, self.scheduler.waiting, self.scheduler.loading):
-                    if req in queue:
-                        queue.remove(req)
-                req.status, req.finish_reason, req.finished_at = Status.FINISHED, "error", time.monotonic()
+                self.scheduler.drop(req, "error")
             failed.append(req)
         return failed
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step (thread-safe); its pages are released."""
         self.aborted.append(request_id)
-
-    def _abort(self) -> list[Request]:
-        ids = set()
-        while self.aborted:
-            ids.add(self.aborted.popleft())
-        done = []
-        if not ids:
-            return done
-        for req in [r for r in self.scheduler.waiting + self.scheduler.loading + self.scheduler.running if r.id in ids]:
-            self._finish(req, "abort")
-            done.append(req)
-        return done
 
     def _check_stop(self, req: Request) -> None:
         p = req.params
@@ -222,11 +189,7 @@ class LLM:
         if reason is None and (len(out) >= p.max_tokens or len(req.tokens) >= self.max_seq_len):
             reason = "length"
         if reason:
-            self._finish(req, reason)
-
-    def _finish(self, req: Request, reason: str) -> None:
-        req.finish_reason, req.finished_at = reason, time.monotonic()
-        self.scheduler.finish(req)
+            self.scheduler.finish(req, reason)
 
     def generate(self, prompts, params: SamplingParams | None = None, tenant: str = "") -> list[RequestOutput]:
         """Run prompts (a text, a token id list, or a list of those) to completion, batched."""
@@ -234,16 +197,15 @@ class LLM:
             prompts = [prompts]
         reqs = [self.make_request(p, params, tenant) for p in prompts]
         for r in reqs:
-            self.scheduler.waiting.append(r)
+            self.scheduler.add(r, bounded=False)
         while any(r.status is not Status.FINISHED for r in reqs):
             self.step()
         return [r.output() for r in reqs]
 
     def stats(self) -> dict:
         return {"computed_tokens": self.runner.computed_tokens, "preemptions": self.scheduler.preemptions,
-                "waiting": len(self.scheduler.waiting) + len(self.inbox), "loading": len(self.scheduler.loading),
-                "running": len(self.scheduler.running), "failed_steps": self.failed_steps,
-                "spilled_pages": self.scheduler.spilled_pages}
+                **self.scheduler.counts(), "failed_steps": self.failed_steps,
+                "spilled_pages": self.scheduler.admission.spilled_pages}
 
     def close(self) -> None:
         self.store.close()
@@ -267,87 +229,3 @@ def _flatten(cfg: StoreConfig) -> dict:
             obj = getattr(obj, part)
         out[path] = ",".join(f"{k}={v}" for k, v in obj.items()) if isinstance(obj, dict) else obj
     return out
-
-
-class AsyncLLM:
-    """Runs LLM.step() in a background thread; each request streams its outputs to an asyncio queue.
-
-    Hooks: `on_finish(output)` is called (in the engine thread) for every finished request, before
-    its final output reaches its caller;
-    `prefetch(tokens, namespace) -> (local_pages, {source: pages})` is awaited before a request
-    is queued (fetching the pages beyond its cached prefix from the remote tier, then a peer
-    instance: kvstore.cluster.node.make_prefetch)."""
-
-    def __init__(self, llm: LLM, on_finish: Callable[[RequestOutput], None] | None = None,
-                 prefetch: Callable[..., Awaitable[tuple[int, dict[str, int]]]] | None = None):
-        self.llm = llm
-        self.on_finish, self.prefetch = on_finish, prefetch
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-
-    async def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="kvstore-engine", daemon=True)
-        self._thread.start()
-
-    async def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread:
-            await asyncio.to_thread(self._thread.join)
-
-    def _loop(self) -> None:
-        while not self._stop:
-            if not self.llm.has_work():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
-                changed = self.llm.step()
-            except BaseException as exc:  # noqa: BLE001 - reported to every waiter, loop stops
-                self.error = exc
-                for loop, q in list(self._queues.values()):
-                    loop.call_soon_threadsafe(q.put_nowait, exc)
-                return
-            for req in changed:
-                out = req.output()
-                # the hook first: a client that has its answer finds it counted (metrics)
-                if out.finish_reason is not None and self.on_finish is not None:
-                    try:
-                        self.on_finish(out)
-                    except Exception:  # noqa: BLE001 - a hook's failure must not stop the engine
-                        log.exception("on_finish hook failed")
-                entry = self._queues.get(req.id)
-                if entry:
-                    entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
-
-    async def generate(self, prompt, params: SamplingParams, tenant: str = "", request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        if self.error is not None:
-            raise RuntimeError("the engine stopped after an internal error") from self.error
-        req = self.llm.make_request(prompt, params, tenant, request_id, priority)
-        if self.prefetch is not None:
-            start, fetched = await self.prefetch(req.tokens, req.namespace)
-            for source, n in fetched.items():
-                req.fetched_pages[source] = range(start, start + n)
-                start += n
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[req.id] = (asyncio.get_running_loop(), q)
-        try:
-            self.llm.submit(req)
-            self._wake.set()
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise RuntimeError("the engine stopped after an internal error") from item
-                if item.finish_reason == "error":
-                    raise StepFailed(item.error or "internal error in the engine step")
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            if self._queues.pop(req.id, None) is not None and req.status is not Status.FINISHED:
-                self.llm.abort(req.id)   # the caller went away: free its pages
-                self._wake.set()

@@ -148,7 +148,7 @@ class EngineRunner(JobRunner):
                 pinned += m.keys
             limit = max(1, self.llm.config.scheduler.max_queue_depth - 1)
             while (queue or any(r.status is not Status.FINISHED for r in live.values())) and not self.stop.is_set():
-                while queue and len(self.llm.scheduler.waiting) + len(self.llm.inbox) < limit:
+                while queue and self.llm.scheduler.depth < limit:
                     submit(queue.pop(0))
                 self._step(doc, prep, live, results, lead, until=None)
             if self.stop.is_set():

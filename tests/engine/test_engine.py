@@ -214,14 +214,14 @@ def test_a_request_that_cannot_be_scheduled_fails_alone_and_once(tmp_path, monke
     alone = llm.generate([prompt_ids(1, 40)], SamplingParams(max_tokens=12))[0].token_ids
     good = llm.make_request(prompt_ids(1, 40), SamplingParams(max_tokens=12), tenant="g")
     bad = llm.make_request(prompt_ids(2, 40), SamplingParams(max_tokens=12), tenant="b")
-    admit = llm.scheduler._admit
+    admit = llm.scheduler.admission.admit
 
-    def admit_or_raise(req, budget):
+    def admit_or_raise(req, budget, running):
         if req is bad:
             raise RuntimeError("this request cannot be scheduled")
-        return admit(req, budget)
+        return admit(req, budget, running)
 
-    monkeypatch.setattr(llm.scheduler, "_admit", admit_or_raise)
+    monkeypatch.setattr(llm.scheduler.admission, "admit", admit_or_raise)
     llm.submit(good)
     llm.step()                       # good runs first
     llm.submit(bad)

@@ -21,7 +21,8 @@ def watch(llm: LLM) -> dict:
     schedule, finish = llm.scheduler.schedule, llm.scheduler.finish
 
     def checked_schedule():
-        before = {id(r): r.preemptions for r in llm.scheduler.running + llm.scheduler.waiting}
+        queued = llm.scheduler.running + llm.scheduler.waiting + list(llm.scheduler.inbox)
+        before = {id(r): r.preemptions for r in queued}
         batch = schedule()
         seen["steps"] += 1
         reqs = [r for r, _ in batch]
@@ -30,8 +31,7 @@ def watch(llm: LLM) -> dict:
         for r in reqs:
             if r.preemptions != before.get(id(r), r.preemptions):
                 seen["problems"].append(f"step {seen['steps']}: {r.id} preempted and scheduled")
-        seen["preempted"] += sum(r.preemptions - before[id(r)] for r in llm.scheduler.running
-                                 + llm.scheduler.waiting if id(r) in before)
+        seen["preempted"] += sum(r.preemptions - before[id(r)] for r in queued)
         return batch
 
     def counted_finish(req, *args, **kwargs):

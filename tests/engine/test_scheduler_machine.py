@@ -32,7 +32,7 @@ def pages_state(llm) -> list:
         out.append((name, (s.hot.pool if name == "hot" else s.warm.pool).num_free,
                     [(e.key.hex()[:4], e.refcount, e.leases, e.writing, e.cold, len(e.kids), e.hot, e.warm,
                       e.pinned(s.index.now())) for e in slots.values()]))
-    out.append((s._owned, s._warm_owned, s.mover.reading, len(llm.scheduler.waiting), len(llm.scheduler.running)))
+    out.append((s.core.owned, s.core.warm_owned, s.mover.reading, len(llm.scheduler.waiting), len(llm.scheduler.running)))
     return out
 
 
@@ -77,7 +77,7 @@ class EngineMachine(RuleBasedStateMachine):
         schedule, finish = sched.schedule, sched.finish
 
         def checked_schedule():
-            before = {id(r): r.preemptions for r in sched.running + sched.waiting + sched.loading}
+            before = {id(r): r.preemptions for r in sched.running + sched.waiting + sched.loading + list(sched.inbox)}
             batch = schedule()
             ids = [id(r) for r, _ in batch]
             if len(ids) != len(set(ids)):
@@ -87,9 +87,9 @@ class EngineMachine(RuleBasedStateMachine):
                     self.problems.append(f"{r.id} scheduled while {r.status.value} or preempted in the step")
             return batch
 
-        def counted_finish(req):
+        def counted_finish(req, reason):
             self.finishes[req.id] = self.finishes.get(req.id, 0) + 1
-            return finish(req)
+            return finish(req, reason)
 
         sched.schedule, sched.finish = checked_schedule, counted_finish
 
