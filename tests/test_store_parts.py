@@ -53,6 +53,17 @@ def test_a_snapshot_is_immutable_and_does_not_follow_the_store(store):
     assert store.snapshot().pages == {} and store.snapshot(pages=[keys[0]]).pages == {}
 
 
+def test_a_snapshot_of_one_tier_copies_only_its_pages(store):
+    ns = store.namespace()
+    slots, keys = fill_and_commit(store, ns, tokens_for(1, 3))
+    settle(store)
+    store.release(slots)
+    store.evict(keys[2:], "cold")   # the last page leaves memory, stays in cold
+    assert set(store.snapshot(pages=True, tier="hot").pages) == set(keys[:2])
+    assert set(store.snapshot(pages=True, tier="cold").pages) == set(keys)
+    assert store.snapshot(pages=True, tier="remote").pages == {}   # not a built-in tier: no page
+
+
 class SnapshotOnly:
     """A store that offers the views nothing but snapshot() (and the remote tier's state)."""
 

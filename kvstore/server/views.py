@@ -20,11 +20,12 @@ def _page_json(e: PageView, now: float, page_size: int) -> dict:
 
 def list_pages(store, tier: str | None, namespace: bytes | None, pinned: bool | None, limit: int,
                cursor: bytes | None) -> dict:
-    """Pages matching the filters, in key order, `limit` after `cursor`: O(entries log limit)."""
-    snap = store.snapshot(pages=True)
+    """Pages matching the filters, in key order, `limit` after `cursor`: O(entries log limit), or of
+    the tier's pages when one is given (only those are copied)."""
+    snap = store.snapshot(pages=True, tier=tier)
     now = snap.now
-    matching = [e for e in snap.pages.values() if (tier is None or tier in e.tiers)
-                and (namespace is None or e.namespace == namespace) and (pinned is None or e.pinned(now) == pinned)]
+    matching = [e for e in snap.pages.values()
+                if (namespace is None or e.namespace == namespace) and (pinned is None or e.pinned(now) == pinned)]
     after = matching if cursor is None else [e for e in matching if e.key > cursor]
     chosen = heapq.nsmallest(limit + 1, after, key=lambda e: e.key)
     pages = [_page_json(e, now, snap.page_size) for e in chosen[:limit]]

@@ -54,12 +54,14 @@ class StoreSnapshot:
     pages: Mapping[bytes, PageView]            # key -> page; empty unless asked for
 
 
-def take_snapshot(core: StoreCore, daemon: Daemon, pages: bool | Iterable[bytes] = False) -> StoreSnapshot:
-    """The snapshot now; `pages`: True for every page, or the keys wanted (those cached)."""
+def take_snapshot(core: StoreCore, daemon: Daemon, pages: bool | Iterable[bytes] = False,
+                  tier: str | None = None) -> StoreSnapshot:
+    """The snapshot now; `pages`: True for every page (only those `tier` holds, a built-in tier,
+    when given: O(its pages)), or the keys wanted (those cached)."""
     with core.lock:
         index = core.index
         if pages is True:
-            chosen = index.entries.values()
+            chosen = index.entries.values() if tier is None else index.in_tier(tier) if tier in TIERS else ()
         else:
             chosen = filter(None, map(index.get, pages or ()))
         return StoreSnapshot(

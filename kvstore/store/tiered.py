@@ -385,8 +385,8 @@ class TieredStore:
                     "total_refcount": sum(e.refcount for e in self.index.entries.values()),
                     "allocated_slots": len(self.core.owned), "problems": problems}
 
-    def snapshot(self, pages: bool | Iterable[bytes] = False) -> StoreSnapshot:
+    def snapshot(self, pages: bool | Iterable[bytes] = False, tier: str | None = None) -> StoreSnapshot:
         """The store now, immutable (snapshot.py), for readers that must not take the lock: the tiers'
         byte counters, the bytes moved, write-behind and drops; with `pages`, the pages too (True:
-        every page, O(pages); or the keys wanted)."""
-        return take_snapshot(self.core, self.daemon, pages)
+        every page, O(pages), or with `tier` those it holds; or the keys wanted)."""
+        return take_snapshot(self.core, self.daemon, pages, tier)
