@@ -112,14 +112,15 @@ class Scheduler:
         self._intake()
         for req in [r for r in self.loading if not r.handle.loading or time.monotonic() >= r.load_deadline]:
             self._move(req, Status.WAITING)
-        for req in sorted(self.running, key=self._order):
+        ordered = sorted(self.running, key=self._order)   # decoding only takes requests out of running
+        for req in ordered:
             if req.status is not Status.RUNNING or req.pending != 1:
                 continue
             if len(self._batch) >= self.engine_cfg.decode_concurrency or self._budget < 1:
                 break
             self._continue(req, 1)
         prefilling = 0
-        for req in sorted(self.running, key=self._order):
+        for req in ordered:
             if (req.status is not Status.RUNNING or req.pending <= 1 or req in self._batch or self._budget < 1
                     or prefilling >= self.engine_cfg.prefill_concurrency):
                 continue
@@ -159,11 +160,11 @@ class Scheduler:
     def idle(self) -> list[Request]:
         """Nothing to compute: wait a little for a load to land or for the background to free pages;
         abort the first waiting request if it cannot fit even alone (pinned pages, quota)."""
-        tickets = [r.handle.ticket for r in self.loading if r.handle.ticket is not None]
         if self.loading:
+            ticket = next((r.handle.ticket for r in self.loading if r.handle.ticket is not None), None)
             with contextlib.suppress(TimeoutError):
-                if tickets:
-                    tickets[0].wait(IDLE_WAIT_S)
+                if ticket is not None:
+                    ticket.wait(IDLE_WAIT_S)
         elif self.waiting and not self.running and self.stuck(self.waiting[0]):
             req = self.waiting[0]
             self.finish(req, "abort")

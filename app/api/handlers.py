@@ -83,8 +83,9 @@ async def _answer(request: web.Request, job: Job, chat: bool) -> web.StreamRespo
             last[i] = out
     outs = [last[i] for i in range(len(streams))]
     tok = engine.llm.tokenizer
-    body = {**head, "choices": [final_choice(i, o, job, chat, tok) for i, o in enumerate(outs)],
-            "usage": usage(outs, job.n)}
+    # in a thread: logprobs decode every token (an echoed prompt's too), which must not block the loop
+    choices = await asyncio.to_thread(lambda: [final_choice(i, o, job, chat, tok) for i, o in enumerate(outs)])
+    body = {**head, "choices": choices, "usage": usage(outs, job.n)}
     if job.return_token_ids:
         prompt_ids = [o.prompt_token_ids for o in outs[::job.n]]
         body["prompt_token_ids"] = prompt_ids[0] if len(prompt_ids) == 1 else prompt_ids
