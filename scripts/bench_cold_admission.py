@@ -52,7 +52,6 @@ import asyncio  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
-import signal  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -60,6 +59,7 @@ import time  # noqa: E402
 import aiohttp  # noqa: E402
 
 from kvstore.placement.index import CACHE_TIERS  # noqa: E402
+from remote_harness import terminate  # noqa: E402
 
 BOS = 256               # the byte tokenizer's, and tiny-16k's
 QUESTION_TOKENS = 24
@@ -154,13 +154,7 @@ class Server:
         raise BenchError(f"kvstore serve did not start:\n{self.log.read_text(errors='replace')[-3000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 60, "kvstore serve")
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict) -> dict:

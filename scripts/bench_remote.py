@@ -57,16 +57,9 @@ option is refused.
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
+import remote_harness  # the standard library only
 
-ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / ".venv"
-if (VENV / "bin" / "python").exists() and Path(sys.prefix).resolve() != VENV.resolve():
-    os.execv(str(VENV / "bin" / "python"), [str(VENV / "bin" / "python"), __file__, *sys.argv[1:]])
-sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(ROOT / "tests"))   # redisutil: redis-server processes on free ports (no pytest)
+remote_harness.enter_venv(__file__)
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
@@ -76,6 +69,7 @@ import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
@@ -84,16 +78,16 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 from kvstore.config import load_config  # noqa: E402
-from kvstore.errors import OutOfCapacity  # noqa: E402
 from kvstore.pages.keys import page_keys  # noqa: E402
 from kvstore.pages.record import PREFIX_BYTES  # noqa: E402
 from kvstore.pages.spec import KVSpec  # noqa: E402
-from kvstore.remote.mooncake import parse_url as parse_mooncake_url  # noqa: E402
 from kvstore.remote.redis_backend import READ_BUFFER  # noqa: E402
 from kvstore.remote.tier import READ_CHUNK  # noqa: E402
 from kvstore.store.tiered import TieredStore  # noqa: E402
 import mooncakeutil  # noqa: E402   (imports mooncake only when asked whether it is installed)
-from redisutil import RedisServer, make_cluster  # noqa: E402
+from remote_clients import MooncakeClient, RedisClient, client_fetch  # noqa: E402
+from remote_harness import BenchError, log, missing_executable, server_url, start_servers  # noqa: E402
+from storeutil import grow  # noqa: E402
 
 SPEC = KVSpec(30, 3, 64, "float32", 16)   # SmolLM2-135M: 737,280 bytes a page
 MODEL_ID = "SmolLM2-135M"
@@ -105,14 +99,6 @@ REDIS_KINDS = ("single", "cluster")
 KINDS = {"single": ("single",), "cluster": ("cluster",), "mooncake": ("mooncake",),
          "both": REDIS_KINDS, "all": (*REDIS_KINDS, "mooncake")}
 MIN_SEGMENT = 1 << 30   # what store A lends Mooncake at least (1 GiB)
-
-
-class BenchError(Exception):
-    """The benchmark cannot go on: printed on stderr, exit 1."""
-
-
-def log(*args) -> None:
-    print(*args, file=sys.stderr, flush=True)
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -149,14 +135,7 @@ def write_document(tmp: Path, url: str, pages: int, seed: int):
         tokens = np.random.default_rng(seed).integers(0, 49152, pages * SPEC.page_size).tolist()
         keys = page_keys(ns, tokens, SPEC.page_size)
         h = a.handle(ns)
-        while True:
-            try:
-                h.grow(pages)
-                break
-            except OutOfCapacity as exc:
-                if not exc.pending:
-                    raise
-                a.daemon.wait_progress(1.0)
+        grow(h, pages)
         digests = []
         for i, slot in enumerate(h.slots):
             page = page_content(seed * 1_000_003 + i)
@@ -211,118 +190,6 @@ def kvstore_fetch(b: TieredStore, ns, tokens, keys, known: int | None, digests: 
         b.evict(keys)
 
 
-# the client alone
-class RedisClient:
-    """redis-py: redis.Redis or redis.RedisCluster, with kvstore's backend's socket_read_size."""
-
-    name = "redis-py"
-
-    def __init__(self, kind: str, url: str):
-        opts = {"socket_read_size": READ_BUFFER, "socket_timeout": 10}
-        if kind == "cluster":
-            host, port = url.removeprefix("redis+cluster://").split(",")[0].split(":")
-            self.client = redis.RedisCluster(host=host, port=int(port), **opts)
-        else:
-            self.client = redis.Redis.from_url(url, **opts)
-
-    def read(self, names: list[str]) -> list:
-        """The values of names, READ_CHUNK GETs a pipeline, kept as bytes (None: missing)."""
-        out: list = []
-        for i in range(0, len(names), READ_CHUNK):
-            pipe = self.client.pipeline(transaction=False)
-            for name in names[i:i + READ_CHUNK]:
-                pipe.get(name)
-            out.extend(pipe.execute())
-        return out
-
-    def timed_read(self, names: list[str]) -> tuple[float, list]:
-        """(seconds, each value's length or None); only the read is timed."""
-        gc.collect()
-        t0 = time.perf_counter()
-        values = self.read(names)
-        seconds = time.perf_counter() - t0
-        return seconds, [None if v is None else len(v) for v in values]
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class MooncakeClient:
-    """The library's MooncakeDistributedStore alone, a pure client (set up as kvstore's backend
-    is, from the same URL: segment 0, no staging buffer), reading READ_CHUNK keys a
-    batch_get_into into one registered buffer of READ_CHUNK slots, each as large as the largest
-    record (get_size)."""
-
-    name = "MooncakeDistributedStore"
-
-    def __init__(self, url: str):
-        from mooncake.store import MooncakeDistributedStore
-        cfg = parse_mooncake_url(url)
-        self.store, self.buffer, self.registered, self.slot = MooncakeDistributedStore(), None, False, 0
-        self.kept = None   # the "kept" reads' buffer: a slot for every record of the document
-        rc = self.store.setup(cfg["local"], cfg["metadata"], cfg["segment"], cfg["buffer"], cfg["protocol"],
-                              cfg["device"], cfg["master"])
-        if rc != 0:
-            raise BenchError(f"the Mooncake client could not join the store at {cfg['master']} (setup returned {rc})")
-        self.open = True
-
-    def sizes(self, names: list[str]) -> list[int | None]:
-        """Each record's size (None: not in the store); sizes the receive buffer for the largest."""
-        sizes = [self.store.get_size(n) for n in names]
-        sizes = [n if n > 0 else None for n in sizes]
-        slot = max((n for n in sizes if n), default=0)
-        if slot > self.slot:
-            self._unregister()
-            self.slot = slot
-            self.buffer = np.zeros(READ_CHUNK * slot, np.uint8)   # touched: no page faults in a timed read
-            if self.store.register_buffer(self.buffer.ctypes.data, self.buffer.nbytes) != 0:
-                raise BenchError(f"the Mooncake client could not register a buffer of {self.buffer.nbytes} bytes")
-            self.kept = np.zeros(len(names) * slot, np.uint8)     # touched too
-            if self.store.register_buffer(self.kept.ctypes.data, self.kept.nbytes) != 0:
-                raise BenchError(f"the Mooncake client could not register a buffer of {self.kept.nbytes} bytes")
-            self.registered = True
-        return sizes
-
-    def read(self, names: list[str], kept: bool = False) -> list:
-        """Each key's byte count as batch_get_into returns it (negative: an error, -704 missing).
-        Into the READ_CHUNK slots reused by every call; with `kept`, each record into a slot of
-        its own, as a reader that keeps the pages must."""
-        slot, out = self.slot, []
-        for i in range(0, len(names), READ_CHUNK):
-            chunk = names[i:i + READ_CHUNK]
-            base = self.kept.ctypes.data + i * slot if kept else self.buffer.ctypes.data
-            out.extend(self.store.batch_get_into(chunk, [base + j * slot for j in range(len(chunk))],
-                                                 [slot] * len(chunk)))
-        return out
-
-    def timed_read(self, names: list[str], kept: bool = False) -> tuple[float, list]:
-        gc.collect()
-        t0 = time.perf_counter()
-        codes = self.read(names, kept)
-        seconds = time.perf_counter() - t0
-        return seconds, [c if c > 0 else None for c in codes]
-
-    def _unregister(self) -> None:
-        if self.registered:   # before close: unregistering with a closed store crashes the process
-            self.store.unregister_buffer(self.buffer.ctypes.data)
-            self.store.unregister_buffer(self.kept.ctypes.data)
-            self.registered = False
-
-    def close(self) -> None:
-        if self.open:
-            self._unregister()
-            self.store.close()
-            self.open = False
-        self.buffer = self.kept = None   # freed only now, once no store can write into it
-
-
-def client_fetch(client, names: list[str], sizes: list[int], kept: bool = False) -> float:
-    seconds, got = client.timed_read(names, kept) if kept else client.timed_read(names)
-    if got != sizes:
-        raise BenchError(f"the client ({client.name}) read other values than the record bytes")
-    return seconds
-
-
 # the floor
 def memcpy_gbps(nbytes: int, repeat: int) -> float:
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
@@ -346,17 +213,9 @@ def bench_backend(kind: str, args, tmp: Path) -> dict:
     tmp.mkdir(parents=True)
     started = time.perf_counter()
     a = b = client = None
-    segment = None
-    if kind == "single":
-        servers = [RedisServer(tmp / "redis")]
-        url = url_b = servers[0].url
-    elif kind == "cluster":
-        servers = make_cluster(tmp / "cluster", 3)
-        url = url_b = "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
-    else:
-        servers = [mooncakeutil.MooncakeMaster(tmp / "mooncake")]
-        segment = segment_bytes(args.pages)
-        url, url_b = servers[0].url_with(str(segment)), servers[0].url_with("0")
+    segment = segment_bytes(args.pages) if kind == "mooncake" else None
+    servers = start_servers(kind, tmp)
+    url, url_b = server_url(kind, servers, segment), server_url(kind, servers)
     try:
         if kind == "mooncake":
             log(f"{kind}: mooncake_master {servers[0].rpc_port} (metadata {servers[0].http_port}) up; store A lends "
@@ -480,10 +339,10 @@ def main() -> int:
             skipped["mooncake"] = f"not installed: {why}"
             kinds = tuple(k for k in kinds if k != "mooncake")
     if any(k in REDIS_KINDS for k in kinds):
-        for exe in ("redis-server", "redis-cli"):
-            if shutil.which(exe) is None:
-                log(f"bench_remote: {exe} is not installed (scripts/bootstrap installs it)")
-                return 1
+        why = missing_executable("redis-server", "redis-cli")
+        if why:
+            log(f"bench_remote: {why}")
+            return 1
     started = time.perf_counter()
     result: dict = {"benchmark": "remote", "spec": SPEC.describe(), "model": MODEL_ID, "pages": args.pages,
                     "tokens": args.pages * SPEC.page_size, "page_bytes": SPEC.page_bytes, "repeat": args.repeat,

@@ -51,40 +51,30 @@ model directory may be given instead.
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
+import remote_harness  # the standard library only
 
-ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / ".venv"
-if (VENV / "bin" / "python").exists() and Path(sys.prefix).resolve() != VENV.resolve():
-    os.execv(str(VENV / "bin" / "python"), [str(VENV / "bin" / "python"), __file__, *sys.argv[1:]])
-sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(ROOT / "tests"))   # redisutil: a redis-server process on a free port (no pytest)
+remote_harness.enter_venv(__file__)
 
 import argparse  # noqa: E402
-import http.client  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from urllib.parse import urlsplit  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from remote_harness import (SERVED_NAME, BenchError, Fleet, Instance, Stopped, get, log,  # noqa: E402
+                            missing_executable, post, server_url, start_servers, stop_on_signals)
 
 DEFAULT_MODEL = Path.home() / ".cache" / "kvstore" / "models" / "SmolLM2-135M-Instruct"
 WAYS = ("recompute", "remote", "peer")
 SOURCE = {"remote": "remote", "peer": "peer"}   # the cached_tokens key each way must be served from
 MIN_SOURCE_SHARE = 0.95
-READY = re.compile(r"kvstore serve: \S+ ready on (http://[\d.:]+) .*admin API on (http://[\d.:]+)\n")
-READY_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 1800
 WRITTEN_TIMEOUT_S = 600
 PEER_VISIBLE_TIMEOUT_S = 60
-SERVED_NAME = "bench"
 CLUSTER_TOKEN = "bench-remote-ttft"
 WORDS = ("the of and to in is was for that on as with by at from his her an were which this be are or "
          "had not but it first one their its new after who they have two been has also more other than "
@@ -96,145 +86,6 @@ WORDS = ("the of and to in is was for that on as with by at from his her an were
          "because island century original however children near long each county small district "
          "company several based released played home four work well back high part former member "
          "named left until following street record built song took could last large east west life").split()
-
-
-class BenchError(Exception):
-    """The benchmark cannot go on: printed on stderr, exit 1."""
-
-
-class Stopped(BaseException):
-    """SIGTERM or SIGHUP: unwinds like KeyboardInterrupt, so every child process is stopped."""
-
-
-def log(*args) -> None:
-    print(*args, file=sys.stderr, flush=True)
-
-
-def _on_signal(signum, frame) -> None:
-    raise Stopped(signal.Signals(signum).name)
-
-
-def _die_with_parent() -> None:
-    """In the child (Linux): SIGTERM when this script dies, even by SIGKILL."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-# HTTP (the standard library: no threads, nothing else on the timed path)
-def _request(url: str, method: str = "GET", body: dict | None = None,
-             timeout: float = 30) -> tuple[dict, float]:
-    """(JSON answer, seconds from sending the request to having read the whole answer)."""
-    u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    try:
-        conn.connect()                                # not timed
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        t0 = time.perf_counter()
-        conn.request(method, u.path, body=data, headers=headers)
-        resp = conn.getresponse()
-        raw = resp.read()
-        elapsed = time.perf_counter() - t0
-    finally:
-        conn.close()
-    try:
-        answer = json.loads(raw)
-    except ValueError:
-        answer = {"raw": raw[:300].decode(errors="replace")}
-    if resp.status != 200:
-        raise BenchError(f"{method} {url}: {resp.status} {str(answer)[:300]}")
-    return answer, elapsed
-
-
-def get(url: str) -> dict:
-    return _request(url)[0]
-
-
-def post(url: str, body: dict, timeout: float = 30) -> tuple[dict, float]:
-    return _request(url, "POST", body, timeout)
-
-
-# instances
-class Instance:
-    def __init__(self, name: str, model: str, data: Path, args: list[str], threads: int):
-        self.name, self.data = name, data
-        data.mkdir(parents=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        if threads:
-            env["OMP_NUM_THREADS"] = str(threads)
-        self.out, self.log = data.parent / f"{name}.out", data.parent / f"{name}.log"
-        with open(self.out, "wb") as stdout, open(self.log, "wb") as stderr:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app", "serve", "--model", model, "--port", "0", "--admin-port", "0",
-                 "--served-model-name", SERVED_NAME, "--data-dir", str(data), *args],
-                stdout=stdout, stderr=stderr, env=env, cwd=data.parent,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-        self.api = self.admin = ""
-        self.returncode: int | None = None
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            m = READY.search(self.out.read_text(errors="replace"))
-            if m:
-                self.api, self.admin = m.group(1), m.group(2)
-                return
-            time.sleep(0.1)
-        raise BenchError(f"instance {self.name} did not start:\n{self.tail()}")
-
-    def tail(self, n: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                log(f"instance {self.name} ignored SIGTERM for 90 s: killed")
-                self.proc.kill()
-                self.proc.wait()
-        self.returncode = self.proc.returncode
-        return self.returncode
-
-
-class Fleet:
-    """Every instance started, so that all of them are stopped whatever happens."""
-
-    def __init__(self, tmp: Path, model: str, settings: dict[str, str], threads: int):
-        self.tmp, self.model, self.settings, self.threads = tmp, model, settings, threads
-        self.live: list[Instance] = []
-        self.exits: dict[str, int] = {}
-
-    def start(self, name: str, *extra: str) -> Instance:
-        sets = [a for k, v in self.settings.items() for a in ("--set", f"{k}={v}")]
-        inst = Instance(name, self.model, self.tmp / name, [*sets, *extra], self.threads)
-        self.live.append(inst)
-        inst.wait_ready()
-        return inst
-
-    def stop(self, inst: Instance, remove: bool = True) -> None:
-        self.exits[inst.name] = inst.stop()
-        if inst.returncode != 0:
-            log(f"instance {inst.name} exited with status {inst.returncode}:\n{inst.tail(1500)}")
-        self.live.remove(inst)
-        if remove:
-            shutil.rmtree(inst.data, ignore_errors=True)
-
-    def stop_all(self) -> None:
-        for inst in reversed(list(self.live)):
-            try:
-                self.stop(inst, remove=False)
-            except BaseException as exc:   # a second signal while stopping: stop the others still
-                log(f"stopping {inst.name}: {exc!r}")
-                if inst.proc.poll() is None:
-                    inst.proc.kill()
-                if inst in self.live:
-                    self.live.remove(inst)
 
 
 # the document
@@ -446,12 +297,12 @@ def main() -> None:
     elif Path(args.model).expanduser().is_dir():
         args.model = str(Path(args.model).expanduser().resolve())
     args.model_name = Path(args.model).name if Path(args.model).is_dir() else args.model
-    if shutil.which("redis-server") is None:
-        print("bench_remote_ttft: redis-server is not installed (scripts/bootstrap installs it)", file=sys.stderr)
+    why = missing_executable("redis-server")
+    if why:
+        print(f"bench_remote_ttft: {why}", file=sys.stderr)
         sys.exit(2)
 
     from kvstore.pages.shapes import load_shape
-    from redisutil import RedisServer
 
     tiny = args.model == "tiny"
     bytes_per_token = load_shape(args.model).kv_spec("float32", 16).page_bytes // 16   # sizing: the widest KV
@@ -468,17 +319,16 @@ def main() -> None:
         settings[k] = v
 
     started = time.perf_counter()
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _on_signal)
+    stop_on_signals()
     status, result = 0, None
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-remote-ttft-") as tmp:
         tmp = Path(tmp)
         fleet = Fleet(tmp, args.model, settings, args.threads)
-        server = None
+        servers: list = []
         try:
-            server = RedisServer(tmp / "redis")
-            log(f"redis-server on port {server.port}; model {args.model}; settings {settings}")
-            result = bench(args, fleet, server.url)
+            servers = start_servers("single", tmp)
+            log(f"redis-server on port {servers[0].port}; model {args.model}; settings {settings}")
+            result = bench(args, fleet, server_url("single", servers))
         except BenchError as exc:
             log(f"bench_remote_ttft: {exc}")
             for inst in fleet.live:
@@ -489,7 +339,7 @@ def main() -> None:
             status = 130
         finally:
             fleet.stop_all()
-            if server is not None:
+            for server in servers:
                 server.stop()
     if result is None:
         sys.exit(status)
