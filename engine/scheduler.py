@@ -6,12 +6,11 @@ running requests decode (one token each, up to decode_concurrency), then compute
 waiting ones are admitted in order (engine.admission) while the token budget and prefill_concurrency
 allow. A batch holds a request once; one preempted in a step is not scheduled again in it.
 
-A running request that cannot get a page preempts the lowest-priority, latest running request
-(possibly itself): its full pages are committed and released (they stay cached) and it is
-requeued, to resume from them. Under `preemptive`, a waiting request may preempt running ones of
-lower priority. A request alone that gets no page for `stuck_limit_s`, step after step, with no
-write-behind pending, has outgrown the tiers: running, it ends with what it has (finish_reason
-"length"); waiting, it is aborted.
+A running request that cannot get a page preempts the lowest-priority, latest running request (possibly
+itself): its full pages are committed and released (they stay cached) and it is requeued, to resume from
+them. Under `preemptive`, a waiting request may preempt running ones of lower priority. A request alone
+that gets no page for `stuck_limit_s`, step after step, with no write-behind pending, has outgrown the
+tiers: running, it ends with what it has (finish_reason "length"); waiting, it is aborted.
 """
 
 from __future__ import annotations

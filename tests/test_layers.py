@@ -117,3 +117,22 @@ def test_readme_module_map_names_every_package():
     packages = {str(init.parent.relative_to(REPO)) for layer in LAYERS for init in (REPO / layer).rglob("__init__.py")}
     assert packages <= listed, sorted(packages - listed)
     assert all((REPO / p).is_dir() for p in listed), sorted(p for p in listed if not (REPO / p).is_dir())
+
+
+def test_engine_has_no_http():
+    """The OpenAI server is the application's (app/api/): the engine imports no HTTP framework."""
+    wrong = [f"{name} imports {i}" for name, file in modules(REPO, "engine").items()
+             for i in imports(file, name) if i.split(".")[0] in ("aiohttp", "http", "fastapi")]
+    assert not wrong, wrong
+
+
+def test_no_module_does_two_jobs():
+    """A source module over 450 lines is doing two jobs; the step loop and the scheduler stay smaller."""
+    limits = {"engine/scheduler.py": 220, "engine/llm.py": 260}
+    over = []
+    for root in (*LAYERS, "plugins"):
+        for file in sorted((REPO / root).rglob("*.py")):
+            path, lines = str(file.relative_to(REPO)), len(file.read_text().splitlines())
+            if lines > limits.get(path, 450):
+                over.append(f"{path}: {lines} lines")
+    assert not over, over
