@@ -140,11 +140,11 @@ class ThreadedApi(ThreadedServer):
         self.requests += 1
         self.statuses[resp.status] = self.statuses.get(resp.status, 0) + 1
         ctype = resp.getheader("Content-Type", "")
-        check_answer(method, path, resp.status, ctype, data)
+        check_answer(method, path, resp.status, ctype, data, body)
         return resp.status, ctype, data
 
 
-def check_answer(method: str, path: str, status: int, ctype: str, data: bytes) -> None:
+def check_answer(method: str, path: str, status: int, ctype: str, data: bytes, body: bytes | None = None) -> None:
     """Never a 5xx; an error is OpenAI's error JSON (one line); a success is a completion, or
     server-sent events of JSON chunks ending with [DONE] and holding no error."""
     where = f"{method} {path}: {status} {data[:300]!r}"
@@ -164,7 +164,10 @@ def check_answer(method: str, path: str, status: int, ctype: str, data: bytes) -
             chunk = json.loads(event)
             assert "error" not in chunk and "choices" in chunk, where
     elif method == "POST" and path == "/tokenize":
-        assert json.loads(data)["count"] >= 1, where
+        answer, asked = json.loads(data), json.loads(body or b"{}")
+        # an empty prompt without special tokens is no tokens, as vLLM's; anything else at least one
+        empty = asked.get("prompt") in ("", []) and asked.get("add_special_tokens") is False
+        assert answer["count"] == len(answer["tokens"]) and answer["count"] >= (0 if empty else 1), where
     elif method == "POST" and path == "/detokenize":
         assert isinstance(json.loads(data)["prompt"], str), where
     elif method == "POST":
