@@ -10,7 +10,8 @@ reads a run of a sequence's pages where it lies, without gathering it first.
 Rules: a SlotTier (tiers/base.py): slots come from a SlotPool; a slot's bytes are whatever was last written. Copies to and
 from the warm tier complete before the call returns (on CUDA they run on a dedicated copy
 stream that first waits for the compute stream, and end with an event), so the caller may free
-the source slot at once. Callers hold the store lock.
+the source slot at once; on the CPU they run on the calling thread alone (copy_serial: the
+store's threads must not start thread teams beside the engine's). Callers hold the store lock.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from kvstore.pages.spec import KVSpec
 from kvstore.tiers.base import TIER_BACKENDS, SlotPool, SlotTier, done, runs
+from kvstore.tiers.buffers import copy_bytes_serial, copy_serial
 from kvstore.tiers.host import HostTier
 
 
@@ -57,7 +59,10 @@ class DeviceTier(SlotTier):
         return [gathered[i].view(torch.uint8).reshape(-1).numpy() for i in range(len(slots))]
 
     def store_pages(self, slots, payloads) -> None:
-        if slots:
+        if slots and not self.on_cuda:
+            for slot, payload in zip(slots, payloads):
+                copy_bytes_serial(self.pages_view(slot, 1)[0], payload)
+        elif slots:
             pages = torch.stack([torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads])
             self.scatter(list(slots), pages.view(self.spec.torch_dtype))
 
@@ -87,12 +92,21 @@ class DeviceTier(SlotTier):
 
     def gather(self, slots: list[int]) -> torch.Tensor:
         """Page-first copy of several slots on this device: [n, layers, 2, page_size, kv_heads, head_dim]."""
+        if not self.on_cuda:
+            out = torch.empty((len(slots), *self.spec.page_shape), dtype=self.spec.torch_dtype)
+            for s, d, n in runs(slots, list(range(len(slots)))):
+                copy_serial(out[d:d + n], self.pages_view(s, n))
+            return out
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         return self.kv.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def scatter(self, slots: list[int], pages: torch.Tensor) -> None:
         """Write page-first pages [n, layers, ...] (any device) into slots."""
         pages = pages.to(self.device, non_blocking=True).view(len(slots), *self.spec.page_shape)
+        if not self.on_cuda:
+            for s, d, n in runs(list(range(len(slots))), slots):
+                copy_serial(self.pages_view(d, n), pages[s:s + n])
+            return
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         self.kv.index_copy_(2, idx, pages.permute(1, 2, 0, 3, 4, 5))
 
@@ -102,7 +116,7 @@ class DeviceTier(SlotTier):
             return
         if not self.on_cuda:
             for s, d, n in runs(slots, warm_slots):
-                warm.pages[d:d + n].copy_(self.pages_view(s, n))
+                copy_serial(warm.pages[d:d + n], self.pages_view(s, n))
             return
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):
@@ -122,7 +136,7 @@ class DeviceTier(SlotTier):
             return
         if not self.on_cuda:
             for s, d, n in runs(warm_slots, slots):
-                self.pages_view(d, n).copy_(warm.pages[s:s + n])
+                copy_serial(self.pages_view(d, n), warm.pages[s:s + n])
             return
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):

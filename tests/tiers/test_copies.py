@@ -1,0 +1,93 @@
+"""The memory tiers' CPU copies: exact in every direction and element size, and started from any
+thread without giving it an OpenMP thread team (which would slow every engine step after it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvstore.pages.spec import KVSpec
+from kvstore.tiers.buffers import copy_bytes_serial, copy_serial
+from kvstore.tiers.device import DeviceTier
+from kvstore.tiers.host import HostTier
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_hot_copies_are_exact_both_ways(dtype):
+    spec = KVSpec(3, 2, 16, dtype, 8)
+    hot, warm = DeviceTier(spec, 12), HostTier(spec, 12, pin=False)
+    g = torch.Generator().manual_seed(1)
+    hot.kv.copy_(torch.randn(hot.kv.shape, generator=g).to(hot.kv.dtype))
+    slots = [5, 6, 7, 2, 9]   # a run and two single slots
+    pages = hot.gather(slots)
+    for i, s in enumerate(slots):
+        assert torch.equal(pages[i], hot.read_page(s))
+    hot.save_to(slots, warm, [0, 1, 2, 7, 8])
+    assert torch.equal(warm.pages[[0, 1, 2, 7, 8]], pages)
+    hot.kv.zero_()
+    hot.load_from([3, 4, 10, 11, 0], warm, [0, 1, 2, 7, 8])
+    assert torch.equal(hot.gather([3, 4, 10, 11, 0]), pages)
+    hot.kv.zero_()
+    hot.scatter([1, 2, 3, 8, 11], pages)
+    assert torch.equal(hot.gather([1, 2, 3, 8, 11]), pages)
+    hot.kv.zero_()
+    as_bytes = [pages[i].view(torch.uint8).numpy().tobytes() for i in (1, 3)]
+    hot.store_pages([4, 0], [as_bytes[0], bytearray(as_bytes[1])])   # read-only and writable buffers
+    assert torch.equal(hot.read_page(4), pages[1]) and torch.equal(hot.read_page(0), pages[3])
+    assert [bytes(p) for p in hot.payloads([4, 0])] == as_bytes
+
+
+def test_copy_serial_refuses_a_mismatch():
+    with pytest.raises(ValueError, match="copy of"):
+        copy_serial(torch.zeros(4), torch.zeros(5))
+    with pytest.raises(ValueError, match="copy of"):
+        copy_serial(torch.zeros(4), torch.zeros(4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="payload is 12 bytes"):
+        copy_bytes_serial(torch.zeros(4), bytes(12))
+
+
+# Run in a child, so that the thread count is this check's alone. A copy of PyTorch's on a thread
+# other than the one that made its team makes that thread a team (the detector's own check shows
+# it); the tier's copies on such a thread must not.
+_CHILD = textwrap.dedent("""
+    import os, threading, torch
+    from kvstore.pages.spec import KVSpec
+    from kvstore.tiers.device import DeviceTier
+    from kvstore.tiers.host import HostTier
+    torch.set_num_threads(2)
+    threads = lambda: len(os.listdir("/proc/self/task"))
+    spec = KVSpec(4, 4, 64, "float32", 16)              # 32K elements a page: PyTorch splits its copies
+    hot, warm = DeviceTier(spec, 16), HostTier(spec, 16, pin=False)
+    (hot.kv + 1).sum()                                  # the main thread's team exists
+    def on_a_thread(fn):   # threads before and after fn, counted on the thread that runs it:
+                           # a team lives as long as the thread that made it
+        counts = []
+        def run():
+            counts.append(threads())
+            fn()
+            counts.append(threads())
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return counts
+    def tier_copies():
+        pages = hot.gather(list(range(8)))
+        hot.save_to(list(range(8)), warm, list(range(8)))
+        hot.load_from(list(range(8)), warm, list(range(8, 16)))
+        hot.scatter(list(range(8)), pages)
+        hot.store_pages([3, 4], hot.payloads([5, 6]))
+    print(*on_a_thread(tier_copies), *on_a_thread(lambda: hot.kv.clone()))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc/self/task")
+def test_tier_copies_start_no_thread_team_on_other_threads():
+    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before_tier, after_tier, before_torch, after_torch = map(int, out.stdout.split())
+    assert after_torch > before_torch, "the detector sees no team from a PyTorch copy on another thread"
+    assert after_tier == before_tier
