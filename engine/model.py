@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionBatch
+from engine.layer_ops import TORCH_OPS, TorchLayerOps
 from kvstore.pages.shapes import ModelShape
 
 
@@ -50,11 +51,6 @@ def rope_inv_freq(shape: ModelShape) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for linears that read the same input: each linear's parameters become
     row views of it, so the state dict, its names and its loading are unchanged, and one GEMM
@@ -78,15 +74,28 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in PREPACK_DTYPES and torch.backends.mkldnn.is_available()
 
 
+def native_linear_library(weight: torch.Tensor):
+    """The native kernels' library when it should run this weight's projection (float32 on a CPU
+    the kernels are tuned for: engine/attention/linear.cpp), else None."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    from engine.attention import native   # not at import: it imports this module
+    if native.available(torch.float32) or native.preferred():
+        return None
+    return native.load()
+
+
 class Projection:
     """The GEMM of one or more linears that read the same input (their outputs side by side).
 
     Several linears are fused into one weight (theirs become views of it). With `prepack` the
-    weight is also kept in oneDNN's blocked layout, reordered once at load: small-batch CPU GEMMs
-    (decode) then run about 1.5x faster than through F.linear, at the cost of a second copy of
-    the weights in memory. The result differs from F.linear's only in the order of the sums.
-    A later change of a linear's weight (a `.to()`, an assignment, an in-place load) is noticed
-    and the linears then run one by one, so stale weights are never used.
+    weight is also kept in a packed copy made once at load: float32 weights on a CPU with AVX-512
+    in the native kernels' layout (linear.cpp: 1.3x oneDNN at decode's 8 rows, the same bits at
+    any number of rows), other CPU weights in oneDNN's blocked layout (about 1.5x F.linear at small
+    batches); the cost is a second copy of the weights in memory. The result differs from
+    F.linear's only in the order of the sums. A later change of a linear's weight (a `.to()`, an
+    assignment, an in-place load) is noticed and the linears then run one by one, so stale
+    weights are never used.
     """
 
     def __init__(self, *linears: nn.Linear, prepack: bool = False):
@@ -95,7 +104,13 @@ class Projection:
             self.weight, self.bias = fuse_linears(*linears)
         else:
             self.weight, self.bias = linears[0].weight.detach(), linears[0].bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 8) if prepack else None
+        self.packed = self.native = self.lib = None
+        if prepack and (lib := native_linear_library(self.weight)) is not None:
+            n, k = self.weight.shape
+            self.lib, self.native = lib, torch.empty(lib.kv_packed_linear_floats(n, k), dtype=torch.float32)
+            lib.kv_pack_linear(self.weight.contiguous().data_ptr(), n, k, self.native.data_ptr(), torch.get_num_threads())
+        elif prepack:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 8)
         self._state = self._current()
 
     def _current(self) -> tuple:
@@ -104,6 +119,14 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._current() != self._state:
             return torch.cat([m(x) for m in self.linears], dim=-1)
+        if (self.native is not None and x.dim() == 2 and x.stride(1) == 1 and x.dtype == torch.float32
+                and x.shape[1] == self.weight.shape[1]):
+            (m, k), n = x.shape, self.weight.shape[0]
+            out = torch.empty((m, n), dtype=torch.float32)
+            bias = self.bias.detach().contiguous().data_ptr() if self.bias is not None else None
+            self.lib.kv_linear(x.data_ptr(), x.stride(0), m, self.native.data_ptr(), bias, n, k, out.data_ptr(), n,
+                               torch.get_num_threads())
+            return out
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -124,22 +147,16 @@ class Attention(nn.Module):
         self.qkv = Projection(self.q_proj, self.k_proj, self.v_proj, prepack=prepack)
         self.out = Projection(self.o_proj, prepack=prepack)
 
-    def forward(self, x, cos, sin, kv_cache, write_rows, backend: AttentionBackend, warm_cache=None):
-        t, nh, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+    def forward(self, x, cos, sin, kv_cache, write_rows, backend: AttentionBackend, warm_cache=None,
+                ops: TorchLayerOps = TORCH_OPS):
+        t = x.shape[0]
         if self.qkv is not None:
             qkv = self.qkv(x)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        # RoPE on the query and key heads together (the same arithmetic as one by one)
-        qk = qkv[:, :(nh + nkv) * d].view(t, nh + nkv, d)
-        qk = (qk * cos + rotate_half(qk) * sin).to(x.dtype)
-        q, k = qk[:, :nh], qk[:, nh:]
-        v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
         # kv_cache: [2, pages, page_size, kv_heads, head_dim]; write_rows: each token's row in its token view
-        rows = kv_cache.view(2, -1, nkv, d)
-        rows[0].index_copy_(0, write_rows, k.to(kv_cache.dtype))
-        rows[1].index_copy_(0, write_rows, v.to(kv_cache.dtype))
-        out = backend.run(q.to(kv_cache.dtype), kv_cache, warm_cache).to(x.dtype).reshape(t, -1)
+        q = ops.rope_write(qkv, cos, sin, kv_cache, write_rows, self.num_heads, self.num_kv_heads, self.head_dim)
+        out = backend.run(q, kv_cache, warm_cache).to(x.dtype).reshape(t, -1)
         return self.out(out) if self.out is not None else self.o_proj(out)
 
 
@@ -156,11 +173,10 @@ class MLP(nn.Module):
         self.gate_up = Projection(self.gate_proj, self.up_proj, prepack=prepack)
         self.down = Projection(self.down_proj, prepack=prepack)
 
-    def forward(self, x):
+    def forward(self, x, ops: TorchLayerOps = TORCH_OPS):
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(ops.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -215,15 +231,23 @@ class LlamaModel(nn.Module):
         ps = batch.page_size
         rows = torch.tensor(write_pages(batch), dtype=torch.long, device=input_ids.device) * ps + positions.long() % ps
         backend.plan(batch, kv_caches[0].dtype)
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids)   # a new tensor: the residual stream, added to in place
         cos, sin = self.rope(positions)
         warm_caches = warm_caches if batch.spilled else [None] * len(kv_caches)
-        for layer, cache, warm in zip(self.model.layers, kv_caches, warm_caches):
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, cache, rows, backend, warm)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        ops = backend.layer_ops if backend.layer_ops is not None and x.dtype == torch.float32 else TORCH_OPS
+        layers = self.model.layers
+        h = ops.add_rms_norm(x, None, layers[0].input_layernorm)
+        for i, (layer, cache, warm) in enumerate(zip(layers, kv_caches, warm_caches)):
+            h = ops.add_rms_norm(x, layer.self_attn(h, cos, sin, cache, rows, backend, warm, ops),
+                                 layer.post_attention_layernorm)
+            out = layer.mlp(h, ops)
+            if i + 1 < len(layers):
+                h = ops.add_rms_norm(x, out, layers[i + 1].input_layernorm)
+            else:
+                x.add_(out)
         if logit_rows is not None:
             x = x[logit_rows]
-        x = self.model.norm(x)
+        x = ops.add_rms_norm(x, None, self.model.norm)
         return (self.head(x) if self.head is not None else self.lm_head(x)).float()
 
 

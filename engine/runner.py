@@ -73,12 +73,18 @@ class ModelRunner:
         self.computed_tokens += len(ids)
         now = time.monotonic()
         self.compute_seconds += now - t0
-        for req, row in zip(sampled, logits):
+        sampled_logits = logits[:len(rows)]
+        nan_rows = torch.isnan(sampled_logits).any(dim=1).tolist()   # one pass for the step's rows
+        plain = [req.params.plain_greedy for req in sampled]
+        argmax = sampled_logits.argmax(dim=1).tolist() if any(plain) else []
+        for i, (req, row) in enumerate(zip(sampled, logits)):
             if req.error:
                 continue
             try:
-                _check_no_nan(row)
-                token = sample(row, req.params, req.generator, req.tokens, len(req.prompt), req.sampler)
+                if nan_rows[i]:
+                    raise FloatingPointError("the model's logits hold NaN")
+                token = argmax[i] if plain[i] else sample(row, req.params, req.generator, req.tokens,
+                                                          len(req.prompt), req.sampler)
                 lp = token_logprobs(row, token, req.params.logprobs) if req.logprobs is not None else None
             except Exception as exc:  # noqa: BLE001 - one request's bad row must not fail the others
                 _fail(req, "sampling", exc)

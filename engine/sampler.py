@@ -72,6 +72,11 @@ class SamplingParams:
         return self
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits first: sample() is then the row's argmax."""
+        return self.temperature < GREEDY_BELOW and not self.logit_bias and not self.has_penalties
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or bool(self.frequency_penalty) or bool(self.presence_penalty)
 

@@ -86,10 +86,13 @@ class AttentionBackend(ABC):
 
     A backend with supports_spill reads spilled pages from the warm tier's layer view too; one with
     reads_warm_in_place reads them there as fast as hot pages, so that a cached prefix in warm is
-    attended where it lies instead of being copied up to hot first."""
+    attended where it lies instead of being copied up to hot first. `layer_ops`: the backend's own
+    element-wise work between a layer's projections (engine.layer_ops.TorchLayerOps' interface, float32
+    activations), or None for PyTorch's."""
 
     supports_spill = False
     reads_warm_in_place = False
+    layer_ops = None
 
     @abstractmethod
     def plan(self, batch: AttentionBatch, dtype: torch.dtype) -> None: ...

@@ -29,14 +29,17 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionBatch
+from engine.layer_ops import TORCH_OPS
 from kvstore.errors import NotBuilt
 
 log = logging.getLogger("kvstore.engine")
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = (SOURCE, SOURCE.with_name("layer_ops.cpp"), SOURCE.with_name("linear.cpp"))   # one library
+HEADERS = (SOURCE.with_name("simd.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c++17")
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 192, 256)
-VERSION = 1   # kv_attention_version() of the source
+VERSION = 2   # kv_attention_version() of the source
 
 _lib = None
 
@@ -60,7 +63,8 @@ def _cpu() -> str:
 def library_path(compiler: str) -> Path:
     """Where the kernel built by this compiler for this CPU lives."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+    digest = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(FLAGS).encode(),
+                                        version.encode(),
                                         _cpu().encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "kvstore" / "kernels" / f"paged_attention-{digest}.so"
@@ -79,7 +83,7 @@ def build() -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
         if done.returncode:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
             raise NotBuilt(f"building the native attention kernel failed ({Path(compiler).name}): {tail[0]}; "
@@ -104,6 +108,15 @@ def load():
         lib.kv_paged_attention.argtypes = [p, i64, p, p, p, i64, p, p, i64, i32, p, p, p, p, p,
                                            i32, i32, i32, i32, f32, i32]
         lib.kv_paged_attention.restype = i32
+        lib.kv_add_rms_norm.argtypes = [p, p, i64, p, p, i64, i64, f32, i32]
+        lib.kv_silu_mul.argtypes = [p, p, i64, i64, i32]
+        lib.kv_rope_write.argtypes = [p, i64, p, p, p, p, p, p, i64, i32, i32, i32, i32]
+        lib.kv_packed_linear_floats.argtypes = [i64, i64]
+        lib.kv_packed_linear_floats.restype = i64
+        lib.kv_pack_linear.argtypes = [p, i64, i64, p, i32]
+        lib.kv_linear.argtypes = [p, i64, i64, p, p, i64, i64, p, i64, i32]
+        for fn in (lib.kv_add_rms_norm, lib.kv_silu_mul, lib.kv_rope_write, lib.kv_pack_linear, lib.kv_linear):
+            fn.restype = None
         _lib = lib
     return _lib
 
@@ -138,6 +151,46 @@ def available(dtype: torch.dtype, head_dim: int | None = None) -> str | None:
     return None
 
 
+class NativeLayerOps:
+    """engine.layer_ops.TorchLayerOps in one call each (layer_ops.cpp), for float32 on the CPU: RoPE and
+    the K/V write give PyTorch's bits; RMSNorm and silu differ only in the order of a row's sum and
+    exp's last bit. A tensor that is not laid out as these calls read it goes to PyTorch's ops."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm) -> torch.Tensor:
+        if (x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.float32 or norm.weight.dtype != torch.float32
+                or (delta is not None and (delta.shape != x.shape or delta.stride() != x.stride()
+                                           or delta.dtype != torch.float32))):
+            return TORCH_OPS.add_rms_norm(x, delta, norm)
+        rows, dim = x.shape
+        out = torch.empty((rows, dim), dtype=torch.float32)
+        self.lib.kv_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), x.stride(0),
+                                 norm.weight.data_ptr(), out.data_ptr(), rows, dim, norm.eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.dtype != torch.float32:
+            return TORCH_OPS.silu_mul(gate_up)
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, inter), dtype=torch.float32)
+        self.lib.kv_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
+        return out
+
+    def rope_write(self, qkv, cos, sin, kv_cache, write_rows, nh: int, nkv: int, d: int) -> torch.Tensor:
+        t = qkv.shape[0]
+        if (qkv.stride(1) != 1 or qkv.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous()
+                or not (cos.is_contiguous() and sin.is_contiguous()) or write_rows.dtype != torch.int64):
+            return TORCH_OPS.rope_write(qkv, cos, sin, kv_cache, write_rows, nh, nkv, d)
+        q = torch.empty((t, nh, d), dtype=torch.float32)
+        rows = write_rows.contiguous()
+        self.lib.kv_rope_write(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                               kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), rows.data_ptr(), t, nh, nkv, d,
+                               torch.get_num_threads())
+        return q
+
+
 class NativeBackend(AttentionBackend):
     supports_spill = True
     reads_warm_in_place = True   # warm pages are host memory like hot ones here: one pointer a page
@@ -145,6 +198,7 @@ class NativeBackend(AttentionBackend):
     def __init__(self):
         self.lib = load()
         self.fn = self.lib.kv_paged_attention
+        self.layer_ops = NativeLayerOps(self.lib)
 
     def plan(self, batch: AttentionBatch, dtype: torch.dtype) -> None:
         why = available(dtype, batch.head_dim)

@@ -22,60 +22,7 @@
 #include <math.h>
 #include <omp.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-
-static inline v16 ld(const float *p) { return *(const v16u *)p; }
-static inline void st(float *p, v16 x) { *(v16u *)p = x; }
-static inline v16 bc(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-// keep a vector in a register: the compiler would otherwise fold its load into every use. Only
-// where one register holds a whole v16 (AVX-512); elsewhere (AVX2, NEON) a v16 spans several and
-// the constraint cannot be met, so the compiler is left to it
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__AVX512F__)
-#define IN_REG(x) __asm__("" : "+v"(x))
-#else
-#define IN_REG(x) (void)0
-#endif
-
-// exp of each lane (Cephes' single-precision polynomial, about 1 ulp); lanes below -87 give ~1e-38
-static inline v16 vexp(v16 x) {
-    const v16 lo = bc(-87.3f), hi = bc(88.3f);
-    x = x < lo ? lo : x;
-    x = x > hi ? hi : x;
-    v16 fn = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   // round(x / ln 2)
-    v16 r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-    v16 p = bc(1.9875691500E-4f);
-    p = p * r + 1.3981999507E-3f;
-    p = p * r + 8.3334519073E-3f;
-    p = p * r + 4.1665795894E-2f;
-    p = p * r + 1.6666665459E-1f;
-    p = p * r + 5.0000001201E-1f;
-    p = p * r * r + r + 1.0f;
-    v16i n = __builtin_convertvector(fn, v16i);
-    v16i bits = (n + 127) << 23;
-    return p * (v16)bits;
-}
-
-// the largest and the sum of a vector's lanes (a tree of shuffles)
-#if defined(__clang__)
-#define SHUF(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define SHUF(v, ...) __builtin_shuffle(v, (v16i){__VA_ARGS__})
-#endif
-static inline float hmax(v16 v) {
-    v = v > SHUF(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) ? v : SHUF(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v = v > SHUF(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11) ? v : SHUF(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v = v > SHUF(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13) ? v : SHUF(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    return v[0] > v[1] ? v[0] : v[1];
-}
-static inline float hsum(v16 v) {
-    v += SHUF(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += SHUF(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += SHUF(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    return v[0] + v[1];
-}
+#include "simd.h"
 
 enum { KT = 64, KV = KT / 16, MAX_ROWS = 96, MIN_SPLIT = 256 };
 
@@ -85,6 +32,7 @@ struct Args {
     const float *wkb, *wvb; int64_t wpstride;  // warm (page-first) K and V of layer 0 of slot 0, elements between slots
     int nseq; const int32_t *qo, *kvlen, *pindptr, *pages, *nwarm;
     int nh, kvh, d, ps, group; float scale;
+    int pshift;   // log2(ps) when ps is a power of two (always, from the engine), else -1
 };
 
 struct Item { int seq, head, q0, q1, k0, k1, split, slot; };
@@ -105,7 +53,8 @@ static float *scratch(size_t floats) {
 }
 
 static inline const float *row_ptr(const Args &a, int seq, int tok, int head, int which) {
-    int pg = tok / a.ps, off = tok % a.ps;
+    // a shift and a mask, not a division: this runs for every key of every tile (twice, with the prefetch)
+    int pg = a.pshift >= 0 ? tok >> a.pshift : tok / a.ps, off = a.pshift >= 0 ? tok & (a.ps - 1) : tok % a.ps;
     int32_t id = a.pages[a.pindptr[seq] + pg];
     const float *base = pg < a.nwarm[seq] ? (which ? a.wvb : a.wkb) + (int64_t)id * a.wpstride
                                           : (which ? a.vb : a.kb) + (int64_t)id * a.pstride;
@@ -349,7 +298,7 @@ static void merge_splits(const Args &a, const Item *items, int first, int count,
 
 extern "C" {
 
-int kv_attention_version(void) { return 1; }
+int kv_attention_version(void) { return 2; }
 
 // q: [tokens, nh, d] with qstride elements between tokens; out: [tokens, nh, d] contiguous; hot K/V planes: page p's token t of head h at kb + p*pstride + (t*kvh + h)*d;
 // warm likewise from wkb/wvb with wpstride. Sequence i: queries qo[i]..qo[i+1]-1, kvlen[i] keys on pages
@@ -362,7 +311,7 @@ int kv_paged_attention(const float *q, int64_t qstride, float *out, const float 
     if (d % 16 || d < 16 || (d > 128 && d != 192 && d != 256)) return -1;
     if (threads < 1) threads = 1;
     Args a = {q, qstride, out, kb, vb, pstride, wkb, wvb, wpstride, nseq, qo, kvlen, pindptr, pages, nwarm,
-              nh, kvh, d, ps, nh / kvh, scale};
+              nh, kvh, d, ps, nh / kvh, scale, ps > 0 && (ps & (ps - 1)) == 0 ? __builtin_ctz(ps) : -1};
     const int g = a.group, qb = MAX_ROWS / g > 0 ? MAX_ROWS / g : 1;
     // blocks without splits, then split key ranges while there are too few items for the threads
     int blocks = 0;
