@@ -174,6 +174,8 @@ class EngineSide(CachingSide):
         if tier == "warm":   # as long-doc-qa: pages with a cold copy leave hot for cold only, so promote them
             self.store.evict(self.doc_keys, to="warm")
             self.store.promote(self.doc_keys, to="warm")
+        elif tier == "cold":   # out of hot and warm: the question loads them from LMDB (the OS page cache)
+            self.store.evict(self.doc_keys, to="cold")
         else:                # a question from warm may have left them there (attended in place)
             self.store.promote(self.doc_keys, to="hot")
         m = self.store.match(prompt[:-1], self.store.namespace("document"))

@@ -66,7 +66,7 @@ def test_compare_report(tmp_path):
     assert report["transformers"]["version"]
 
     sides = {"prefill": ("engine", "transformers"), "decode": ("engine", "transformers"),
-             "cached_prefix": ("engine", "engine_hot", "transformers")}
+             "cached_prefix": ("engine", "engine_hot", "engine_cold", "transformers")}
     for test, names in sides.items():
         t = report[test]
         for name in names:
@@ -84,8 +84,10 @@ def test_compare_report(tmp_path):
     # nothing cached in prefill and decode; the whole document (4 pages) in the cached-prefix test
     assert report["prefill"]["engine"]["cached_tokens"] == report["decode"]["engine"]["cached_tokens"] == [0, 0, 0]
     c = report["cached_prefix"]
-    assert c["engine"]["cached_tokens"] == c["engine_hot"]["cached_tokens"] == [64, 64, 64]
+    assert c["engine"]["cached_tokens"] == c["engine_hot"]["cached_tokens"] == c["engine_cold"]["cached_tokens"] \
+        == [64, 64, 64]
     assert c["engine_tier"] == "warm" and positive(c["engine_hot_speedup_vs_transformers"])
+    assert positive(c["engine_cold_speedup_vs_transformers"])
 
     # greedy tokens: every pair equal in every sequence (tiny's random weights: no near-ties)
     counts = {"prefill": (3, 3), "decode": (9, 108), "cached_prefix": (3, 3)}
@@ -101,7 +103,8 @@ def test_compare_report(tmp_path):
     assert {k: g["at_least"] for k, g in goals.items()} == {
         ("prefill", "engine_speedup_vs_transformers"): 1.0, ("prefill", "engine_speedup_vs_vllm"): 0.8,
         ("decode", "engine_speedup_vs_transformers"): 1.5, ("decode", "engine_speedup_vs_vllm"): 1.0,
-        ("cached_prefix", "engine_speedup_vs_vllm"): 0.9, ("cached_prefix", "engine_hot_speedup_vs_vllm"): 1.0}
+        ("cached_prefix", "engine_speedup_vs_vllm"): 0.9, ("cached_prefix", "engine_hot_speedup_vs_vllm"): 1.0,
+        ("cached_prefix", "engine_cold_speedup_vs_vllm"): 0.7}
     for (test, key), g in goals.items():
         assert g["value"] == report[test][key]
         assert g["met"] == (None if g["value"] is None else g["value"] >= g["at_least"])
