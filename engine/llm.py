@@ -20,6 +20,7 @@ import torch
 from engine.attention import create_backend
 from engine.loader import load_model
 from engine.model import can_prepack
+from engine.omp import release_thread_team
 from engine.request import Request, RequestOutput, Status
 from engine.runner import ModelRunner
 from engine.sampler import InvalidRequest, SamplingParams
@@ -76,6 +77,7 @@ class LLM:
         self.aborted: collections.deque[str] = collections.deque()   # request ids, from any thread
         self.fault: Callable[[list[tuple[Request, int]]], None] | None = None   # test hook: raise to fail a step
         self.failed_steps = 0
+        release_thread_team()   # loading made this thread a team: the engine's thread makes the one kept (omp.py)
 
     # requests
     def namespace(self, tenant: str):
