@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="leading tokens of each sequence that must equal transformers' (default 8)")
     dec.add_argument("--profile", type=int, default=0, metavar="N",
                      help="profile one more engine run with cProfile and report its top N functions")
+    dec.add_argument("--engine-thread", action="store_true",
+                     help="run the engine on a thread of its own, built on the main thread, as kvstore serve does")
     dec.set_defaults(func=run_decode, fmt=format_decode,
                      ok=lambda r: r["tokens_match"] is not False or r["dtype"] != "float32")
     from app.bench.compare import add_parser

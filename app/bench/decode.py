@@ -10,6 +10,7 @@ import cProfile
 import pstats
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from app.bench.common import (MiB, _backend_name, discard, hf_generate, hf_model, make_llm, _positive, _progress,
                               _sig, _spec, _sync, synthetic, token_pool)
@@ -39,7 +40,7 @@ def run_decode(args: argparse.Namespace) -> dict:
     spec = _spec(args)
     pages = batch * spec.pages_for(prompt_tokens + new_tokens + 1)
     workdir = tempfile.mkdtemp(prefix="kvstore-bench-engine-", dir=args.dir)
-    llm = None
+    llm = engine_thread = None
     try:
         llm = make_llm(args, workdir, max_seq_len=max(8192, prompt_tokens + new_tokens + 1),
                        hot__pool=max(256 * MiB, -(-2 * pages * spec.page_bytes // MiB) * MiB))
@@ -50,8 +51,16 @@ def run_decode(args: argparse.Namespace) -> dict:
         model = None if args.skip_hf else hf_model(llm)
         say(f"{args.model}: batch {batch}, {prompt_tokens} prompt tokens, {new_tokens} new tokens, "
             f"{repeat} rounds of engine{'' if args.skip_hf else ' then transformers'}")
+        engine_thread = ThreadPoolExecutor(1, thread_name_prefix="bench-engine") if args.engine_thread else None
+
+        def on_engine(fn):   # on the engine's own thread with --engine-thread (as AsyncLLM runs it)
+            return engine_thread.submit(fn).result() if engine_thread else fn()
+
+        def generate(*a, **kw):
+            return on_engine(lambda: llm.generate(*a, **kw))
+
         warmup = [synthetic(pool, prompt_tokens, 7, bos)] * 2
-        llm.generate(warmup, SamplingParams(max_tokens=4, ignore_eos=True), tenant="warmup")
+        generate(warmup, SamplingParams(max_tokens=4, ignore_eos=True), tenant="warmup")
         if model is not None:
             hf_generate(model, warmup, 4, llm.runner.vocab_limit)
 
@@ -60,7 +69,7 @@ def run_decode(args: argparse.Namespace) -> dict:
             tenant = f"decode-{r}"   # a fresh namespace: no prompt is served from the previous round's cache
             _sync(device)
             t = time.perf_counter()
-            outs = llm.generate(prompts, params, tenant=tenant)
+            outs = generate(prompts, params, tenant=tenant)
             _sync(device)
             engine_s.append(time.perf_counter() - t)
             if any(sum(o.cached_tokens.values()) for o in outs) or any(len(o.token_ids) != new_tokens for o in outs):
@@ -79,10 +88,13 @@ def run_decode(args: argparse.Namespace) -> dict:
         profile = None
         if args.profile:
             say("profiling one more engine run (cProfile)")
-            prof = cProfile.Profile()
-            prof.enable()
-            llm.generate(prompts, params, tenant="profile")
-            prof.disable()
+            prof = cProfile.Profile()   # it profiles the thread that enables it: the engine's
+
+            def profiled():
+                prof.enable()
+                llm.generate(prompts, params, tenant="profile")
+                prof.disable()
+            on_engine(profiled)
             profile = _profile_rows(prof, args.profile)
 
         generated = batch * new_tokens
@@ -90,7 +102,7 @@ def run_decode(args: argparse.Namespace) -> dict:
         report = {"benchmark": "decode", "model": args.model, "dtype": str(llm.dtype).removeprefix("torch."),
                   "device": str(device), "attention_backend": _backend_name(llm), "batch": batch,
                   "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "repeat": repeat,
-                  "statistic": "best", "includes_prefill": True,
+                  "statistic": "best", "includes_prefill": True, "engine_thread": bool(args.engine_thread),
                   "engine": {"tokens_per_s": _sig(generated / best_engine), "seconds": _sig(best_engine),
                              "repeats_seconds": [_sig(s) for s in engine_s]}}
         if model is None:
@@ -112,6 +124,8 @@ def run_decode(args: argparse.Namespace) -> dict:
         report["seconds_total"] = _sig(time.perf_counter() - started)
         return report
     finally:
+        if engine_thread is not None:
+            engine_thread.shutdown()
         discard(llm, workdir)
 
 

@@ -94,6 +94,19 @@ def test_decode_report(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_decode_on_an_engine_thread(tmp_path):
+    r = bench("decode", "--batch", "2", "--prompt-tokens", "8", "--new-tokens", "6", "--repeat", "2", "--skip-hf",
+              "--engine-thread", "--profile", "3", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["engine_thread"] is True and report["engine_repeats_identical"] is True
+    assert positive(report["engine"]["tokens_per_s"]) and report["transformers"] is None
+    # the engine thread's own work was profiled, not the main thread waiting for it
+    assert len(report["profile"]) == 3 and all("wait" not in p["function"] for p in report["profile"])
+    assert any(p["function"].startswith(("model.py", "native.py", "runner.py", "layer_ops.py"))
+               for p in report["profile"])
+
+
 def test_bad_option_exits_2(tmp_path):
     r = bench("decode", "--batch", "0", "--skip-hf", tmp_path=tmp_path)
     assert r.returncode == 2 and "--batch" in r.stderr and r.stdout == ""
