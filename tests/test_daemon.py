@@ -205,3 +205,26 @@ def test_the_engine_side_counts_dirty_pages_and_never_waits(tmp_path):
     finally:
         gate.set()
         store.close(persist=False)
+
+
+def test_evicting_pages_whose_cold_write_is_in_flight_waits_for_the_write(tmp_path):
+    """A page write-behind has picked up (its write in flight) leaves when asked to, once written: clear
+    and evict wait for the write instead of keeping the page by chance of timing."""
+    import threading
+    store = make_store(tmp_path, warm=8)
+    ns = store.namespace()
+    gate = threading.Event()   # the disk stalls once the pages are marked writing (stall_writes stalls before)
+    write = store.core.mover.write
+    store.core.mover.write = lambda plan: (gate.wait(30), write(plan))[1]
+    try:
+        keys = store.commit_warm(ns, tokens_for(1, 3), store.allocate_warm(3))
+        deadline = time.monotonic() + 10
+        while not all(store.index.get(k).writing for k in keys):   # the writer holds all three
+            assert time.monotonic() < deadline, "write-behind did not pick the pages up"
+            time.sleep(0.01)
+        threading.Timer(0.3, gate.set).start()
+        assert store.clear_namespace(ns.digest) == (3, 0)
+        assert all(k not in store.index for k in keys) and store.stats()["dropped_pages"] == 0
+    finally:
+        gate.set()
+        store.close(persist=False)

@@ -89,7 +89,11 @@ class TierMaintenance:
         with self.core.lock:
             leaving = self._leaving(entries, tier)
             self.daemon.retry(leaving)
-            dirty = [e for e in leaving if e.key in self.index.dirty]
+            # and a page whose cold write is in flight now (not evictable until it lands): without the
+            # wait, whether it left depended on when write-behind had picked it up
+            going = {e.key for e in leaving}
+            dirty = [e for e in entries if e.key in self.index.dirty
+                     and (e.key in going or (e.writing and tier in e.where))]
         self.daemon.wait_clean(dirty)
         moved = 0
         with self.core.lock:
