@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import native
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.layer_ops import TORCH_OPS, TorchLayerOps
 from kvstore.pages.shapes import ModelShape
@@ -77,10 +78,7 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 def native_linear_library(weight: torch.Tensor):
     """The native kernels' library when it should run this weight's projection (float32 on a CPU
     the kernels are tuned for: engine/attention/linear.cpp), else None."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return None
-    from engine.attention import native   # not at import: it imports this module
-    if native.available(torch.float32) or native.preferred():
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or native.unsuitable(torch.float32):
         return None
     return native.load()
 
@@ -104,10 +102,13 @@ class Projection:
             self.weight, self.bias = fuse_linears(*linears)
         else:
             self.weight, self.bias = linears[0].weight.detach(), linears[0].bias
-        self.packed = self.native = self.lib = None
+        self.packed = self.native = self.lib = self.bias_ptr = None
         if prepack and (lib := native_linear_library(self.weight)) is not None:
             n, k = self.weight.shape
             self.lib, self.native = lib, torch.empty(lib.kv_packed_linear_floats(n, k), dtype=torch.float32)
+            if self.bias is not None:   # the fused bias (the linears' are views of it): read where it lies
+                self.bias = self.bias.detach().contiguous()
+                self.bias_ptr = self.bias.data_ptr()
             lib.kv_pack_linear(self.weight.contiguous().data_ptr(), n, k, self.native.data_ptr(), torch.get_num_threads())
         elif prepack:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 8)
@@ -123,9 +124,8 @@ class Projection:
                 and x.shape[1] == self.weight.shape[1]):
             (m, k), n = x.shape, self.weight.shape[0]
             out = torch.empty((m, n), dtype=torch.float32)
-            bias = self.bias.detach().contiguous().data_ptr() if self.bias is not None else None
-            self.lib.kv_linear(x.data_ptr(), x.stride(0), m, self.native.data_ptr(), bias, n, k, out.data_ptr(), n,
-                               torch.get_num_threads())
+            self.lib.kv_linear(x.data_ptr(), x.stride(0), m, self.native.data_ptr(), self.bias_ptr, n, k,
+                               out.data_ptr(), n, torch.get_num_threads())
             return out
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

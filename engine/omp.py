@@ -15,6 +15,7 @@ PyTorch (kvstore/tiers/buffers.py: copy_serial).
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import logging
 import os
@@ -24,28 +25,21 @@ import torch
 log = logging.getLogger("kvstore.engine")
 
 _PAUSE_SOFT = 1         # omp_pause_soft: the thread's team ends; a later parallel region makes a new one
-_pause = None           # omp_pause_resource_all of the process's OpenMP runtime, once found
-_looked = False
 
 
+@functools.cache
 def _pause_function():
     """omp_pause_resource_all of the OpenMP runtime PyTorch loaded (None when there is none to find)."""
-    global _pause, _looked
-    if not _looked:
-        _looked = True
-        lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-        candidates = [None, *sorted(glob.glob(os.path.join(lib_dir, "lib*omp*.so*")))]
-        for path in candidates:
-            try:
-                fn = ctypes.CDLL(path).omp_pause_resource_all
-            except (OSError, AttributeError):
-                continue
-            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-            _pause = fn
-            break
-        if _pause is None:
-            log.debug("no OpenMP runtime with omp_pause_resource_all found; thread teams stay")
-    return _pause
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for path in [None, *sorted(glob.glob(os.path.join(lib_dir, "lib*omp*.so*")))]:
+        try:
+            fn = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        return fn
+    log.debug("no OpenMP runtime with omp_pause_resource_all found; thread teams stay")
+    return None
 
 
 def release_thread_team() -> bool:

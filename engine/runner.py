@@ -16,7 +16,7 @@ import torch
 from engine.attention import AttentionBackend, AttentionBatch
 from engine.model import LlamaModel
 from engine.request import Request
-from engine.sampler import sample, token_logprobs, tokens_logprobs
+from engine.sampler import greedy_tokens, sample, token_logprobs, tokens_logprobs
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.host import HostTier
 
@@ -73,18 +73,16 @@ class ModelRunner:
         self.computed_tokens += len(ids)
         now = time.monotonic()
         self.compute_seconds += now - t0
-        sampled_logits = logits[:len(rows)]
-        nan_rows = torch.isnan(sampled_logits).any(dim=1).tolist()   # one pass for the step's rows
-        plain = [req.params.plain_greedy for req in sampled]
-        argmax = sampled_logits.argmax(dim=1).tolist() if any(plain) else []
-        for i, (req, row) in enumerate(zip(sampled, logits)):
+        nan_rows = torch.isnan(logits[:len(rows)]).any(dim=1).tolist()   # one pass for the step's rows
+        greedy = greedy_tokens(logits[:len(rows)], [req.params for req in sampled])
+        for req, row, nan, token in zip(sampled, logits, nan_rows, greedy):
             if req.error:
                 continue
             try:
-                if nan_rows[i]:
-                    raise FloatingPointError("the model's logits hold NaN")
-                token = argmax[i] if plain[i] else sample(row, req.params, req.generator, req.tokens,
-                                                          len(req.prompt), req.sampler)
+                if nan:
+                    raise _nan_error()
+                if token is None:
+                    token = sample(row, req.params, req.generator, req.tokens, len(req.prompt), req.sampler)
                 lp = token_logprobs(row, token, req.params.logprobs) if req.logprobs is not None else None
             except Exception as exc:  # noqa: BLE001 - one request's bad row must not fail the others
                 _fail(req, "sampling", exc)
@@ -113,9 +111,13 @@ class ModelRunner:
         return failed
 
 
+def _nan_error() -> FloatingPointError:
+    return FloatingPointError("the model's logits hold NaN")
+
+
 def _check_no_nan(logits: torch.Tensor) -> None:
     if bool(torch.isnan(logits).any()):
-        raise FloatingPointError("the model's logits hold NaN")
+        raise _nan_error()
 
 
 def _fail(req: Request, what: str, exc: Exception) -> None:

@@ -172,6 +172,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+def greedy_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[int | None]:
+    """For rows of logits [rows, vocab] and their requests' params: the token sample() would give
+    where it is the row's argmax (plain_greedy), taken with one argmax over all rows; None elsewhere."""
+    plain = [p.plain_greedy for p in params]
+    if not any(plain):
+        return [None] * len(plain)
+    top = logits.argmax(dim=1).tolist()
+    return [t if is_plain else None for t, is_plain in zip(top, plain)]
+
+
 def _bias_tensors(bias: dict[int, float], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The ids inside the row and their biases, on the row's device."""
     ids = torch.tensor(list(bias), dtype=torch.long)

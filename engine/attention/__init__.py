@@ -33,7 +33,7 @@ def create_backend(name: str, device: torch.device, dtype: torch.dtype = torch.f
             name = "flashinfer" if importlib.util.find_spec("flashinfer") else "sdpa"
         else:
             from engine.attention import native
-            why = native.available(dtype, head_dim) or native.preferred()
+            why = native.unsuitable(dtype, head_dim)
             if why:
                 log.info("attention: sdpa (%s)", why)
             name = "sdpa" if why else "native"

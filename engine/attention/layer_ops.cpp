@@ -14,7 +14,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <omp.h>
 
 #include "simd.h"
 

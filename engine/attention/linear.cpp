@@ -18,7 +18,6 @@
 
 #include <stdint.h>
 #include <string.h>
-#include <omp.h>
 
 #include "simd.h"
 

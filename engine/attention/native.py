@@ -138,6 +138,12 @@ def preferred() -> str | None:
     return None
 
 
+def unsuitable(dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """Why `auto` should not use the native kernels here: they cannot run (available) or are not the
+    faster choice on this CPU (preferred); None when it should."""
+    return available(dtype, head_dim) or preferred()
+
+
 def available(dtype: torch.dtype, head_dim: int | None = None) -> str | None:
     """Why the native backend cannot run here (None: it can)."""
     if dtype != torch.float32:

@@ -51,7 +51,7 @@ def round_up(n: int, to: int = MiB) -> int:
     return -(-n // to) * to
 
 
-_INT_OF_SIZE = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}   # numpy has no bfloat16
 
 
 def copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -67,23 +67,21 @@ def copy_serial(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape or dst.element_size() != src.element_size():
         raise ValueError(f"copy of {tuple(src.shape)} x {src.element_size()} bytes into "
                          f"{tuple(dst.shape)} x {dst.element_size()} bytes")
-    kind = _INT_OF_SIZE[dst.element_size()]
-    np.copyto(_int_view(dst, kind), _int_view(src, kind), casting="no")
+    np.copyto(_int_view(dst), _int_view(src), casting="no")
 
 
 def copy_bytes_serial(dst: torch.Tensor, payload) -> None:
     """dst[...] = the elements in `payload` (a buffer of dst's bytes, in row-major order), as copy_serial."""
-    kind = _INT_OF_SIZE[dst.element_size()]
+    out = _int_view(dst)
     src = np.frombuffer(payload, dtype=np.uint8)
-    if src.nbytes != dst.numel() * dst.element_size():
-        raise ValueError(f"payload is {src.nbytes} bytes, the destination {dst.numel() * dst.element_size()}")
-    np.copyto(_int_view(dst, kind), src.view(kind).reshape(dst.shape), casting="no")
+    if src.nbytes != out.nbytes:
+        raise ValueError(f"payload is {src.nbytes} bytes, the destination {out.nbytes}")
+    np.copyto(out, src.view(out.dtype).reshape(out.shape), casting="no")
 
 
-def _int_view(t: torch.Tensor, kind) -> np.ndarray:
-    """A numpy view of a CPU tensor's elements as integers of their size (numpy has no bfloat16)."""
-    return t.detach().view({np.int8: torch.int8, np.int16: torch.int16, np.int32: torch.int32,
-                            np.int64: torch.int64}[kind]).numpy()
+def _int_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's elements as integers of their size."""
+    return t.detach().view(_INT_OF_SIZE[t.element_size()]).numpy()
 
 
 def as_byte_view(payload) -> memoryview:

@@ -7,11 +7,11 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from conftest import requires
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc/self/task")
+
+def needs_linux() -> None:
+    requires(sys.platform.startswith("linux"), "these tests count threads in /proc/self/task (Linux)")
 
 _PRELUDE = """
 import os, torch
@@ -29,6 +29,7 @@ def child(body: str) -> list[int]:
 
 
 def test_release_ends_the_threads_team_and_a_later_op_makes_a_new_one():
+    needs_linux()
     from engine.omp import release_thread_team
     requires(release_thread_team(), "no OpenMP runtime with omp_pause_resource_all in this PyTorch")
     with_team, released, again = child("""
@@ -44,6 +45,7 @@ def test_release_ends_the_threads_team_and_a_later_op_makes_a_new_one():
 
 
 def test_building_the_engine_leaves_its_thread_without_a_team():
+    needs_linux()
     from engine.omp import release_thread_team
     requires(release_thread_team(), "no OpenMP runtime with omp_pause_resource_all in this PyTorch")
     built, after_op = child("""

@@ -14,6 +14,7 @@ from kvstore.pages.spec import KVSpec
 from kvstore.tiers.buffers import copy_bytes_serial, copy_serial
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.host import HostTier
+from conftest import requires
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -84,8 +85,8 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc/self/task")
 def test_tier_copies_start_no_thread_team_on_other_threads():
+    requires(sys.platform.startswith("linux"), "this test counts threads in /proc/self/task (Linux)")
     out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     before_tier, after_tier, before_torch, after_torch = map(int, out.stdout.split())
