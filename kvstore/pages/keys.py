@@ -75,6 +75,15 @@ def tokens_bytes(tokens: Sequence[int]) -> bytes:
     return np.asarray(tokens, dtype="<i4").tobytes()
 
 
+def page_tokens(tokens: Sequence[int], page_size: int, start: int = 0) -> list[bytes]:
+    """tokens_bytes of each full page of `tokens` from page `start` on (one conversion for all)."""
+    n = len(tokens) // page_size
+    if n <= start:
+        return []
+    data, step = tokens_bytes(tokens[start * page_size:n * page_size]), 4 * page_size
+    return [data[i:i + step] for i in range(0, len(data), step)]
+
+
 def chain_key(namespace_digest: bytes, parent: bytes, page_tokens: Sequence[int]) -> bytes:
     """The key of one page given its parent's key (the namespace digest for page 0)."""
     return blake3.blake3(namespace_digest + parent + tokens_bytes(page_tokens)).digest(KEY_BYTES)
@@ -91,7 +100,7 @@ def page_keys(namespace: Namespace, tokens: Sequence[int], page_size: int,
     if prev is None:
         raise ValueError("page_keys: parent key required when start > 0")
     keys = []
-    for i in range(start, len(tokens) // page_size):
-        prev = chain_key(digest, prev, tokens[i * page_size:(i + 1) * page_size])
+    for page in page_tokens(tokens, page_size, start):
+        prev = blake3.blake3(digest + prev + page).digest(KEY_BYTES)   # chain_key, of bytes converted once
         keys.append(prev)
     return keys

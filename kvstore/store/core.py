@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 from kvstore.config import Config
 from kvstore.movement.move_stats import MoveStats
 from kvstore.movement.mover import PageMover
-from kvstore.pages.keys import Namespace, page_keys, tokens_bytes
+from kvstore.pages.keys import Namespace, page_keys, page_tokens
 from kvstore.pages.spec import KVSpec
 from kvstore.placement.index import TIERS, PageIndex
 from kvstore.remote.tier import RemoteTier
@@ -83,13 +83,14 @@ class StoreCore:
         """The longest prefix of full pages present in some tier, verified against the request."""
         ps = self.spec.page_size
         m = Match(namespace, ps)
+        keys, pages = page_keys(namespace, tokens, ps), page_tokens(tokens, ps)
         with self.lock:
             prev = namespace.digest
-            for i, key in enumerate(page_keys(namespace, tokens, ps)):
+            for key, page in zip(keys, pages):
                 e = self.index.get(key)
                 if e is None:
                     break
-                if e.namespace != namespace.digest or e.parent != prev or e.tokens != tokens_bytes(tokens[i * ps:(i + 1) * ps]):
+                if e.namespace != namespace.digest or e.parent != prev or e.tokens != page:
                     self.counts.count("mismatch")
                     break
                 m.keys.append(key)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvstore.movement.daemon import Daemon
-from kvstore.pages.keys import Namespace, name_tokens, named_key, page_keys, tokens_bytes
+from kvstore.pages.keys import Namespace, name_tokens, named_key, page_keys, page_tokens
 from kvstore.remote.landing import WarmLanding
 from kvstore.store.core import StoreCore
 
@@ -33,13 +33,14 @@ class RemoteFetch:
         `known`: how many of the chain's pages the prefix index says the remote holds (None: ask it).
         Returns (pages cached before, pages added)."""
         ps = self.core.spec.page_size
-        local = self.core.match(tokens, namespace).num_pages
+        cached = self.core.match(tokens, namespace).keys
+        local = len(cached)
         if self.remote is None or (known is not None and known <= local) or len(tokens) // ps <= local:
             return local, 0
-        keys = page_keys(namespace, tokens, ps)
-        expect = [tokens_bytes(tokens[i * ps:(i + 1) * ps]) for i in range(local, len(keys))]
-        added = self.remote.fetch(namespace.digest, keys[local:], expect, keys[local - 1] if local else namespace.digest,
-                                  self.landing, None if known is None else known - local)
+        parent = cached[-1] if local else namespace.digest
+        keys = page_keys(namespace, tokens, ps, start=local, parent=parent)
+        added = self.remote.fetch(namespace.digest, keys, page_tokens(tokens, ps, local), parent, self.landing,
+                                  None if known is None else known - local)
         return local, added
 
     def fetch_remote_named(self, names: Sequence[str], namespace: Namespace) -> int:
