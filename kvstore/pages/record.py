@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvstore.pages.keys import chain_key
+from kvstore.pages.keys import KEY_BYTES, chain_key
 
 MAGIC = b"KVP1"
 _PREFIX = struct.Struct("<4s16sI")  # magic, checksum, header length
@@ -115,6 +115,14 @@ def copy_payload(record, header: RecordHeader, out: np.ndarray) -> None:
 def head_size(header: RecordHeader) -> int:
     """How many bytes of its record come before the page: the prefix and the packed header."""
     return PREFIX_BYTES + len(header.pack())
+
+
+def head_bound(spec) -> int:
+    """The most bytes a record of this KVSpec has before its page: a chain page's head (its tokens
+    are 4 bytes each) or a named page's (a KEY_BYTES digest), whichever is longer."""
+    key = bytes(KEY_BYTES)
+    return head_size(RecordHeader(key, key, key, bytes(max(4 * spec.page_size, KEY_BYTES)), spec.fingerprint,
+                                  spec.page_bytes))
 
 
 def check_landed(head, header: RecordHeader, payload) -> bool:

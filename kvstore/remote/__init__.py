@@ -10,11 +10,12 @@ import os
 
 from kvstore.config import Config
 from kvstore.errors import ConfigError
+from kvstore.pages import record
 from kvstore.pages.spec import KVSpec
 from kvstore.remote.backend import REMOTE_BACKENDS, RemoteBackend, RemoteDown
 from kvstore.remote.tier import RemoteTier
 
-__all__ = ["RemoteBackend", "RemoteDown", "RemoteTier", "open_remote"]
+__all__ = ["RemoteBackend", "RemoteDown", "RemoteTier", "head_room", "open_remote"]
 
 
 def _factory(url: str):
@@ -26,6 +27,15 @@ def _factory(url: str):
     except ConfigError:
         raise ConfigError("remote.url", f"{scheme}://...", "must start with one of "
                           + ", ".join(f"{n}://" for n in REMOTE_BACKENDS.names())) from None
+
+
+def head_room(config: Config, spec: KVSpec) -> int:
+    """Bytes warm should leave before each page: room for a record's head, to 64 bytes, when
+    remote.url's backend lands whole records (its factory's `lands_records`: Mooncake, where a
+    value read in two parts costs a transfer slice more per page); else 0."""
+    if not config.remote.url or not getattr(_factory(config.remote.url), "lands_records", False):
+        return 0
+    return -(-record.head_bound(spec) // 64) * 64
 
 
 def open_remote(config: Config, spec: KVSpec) -> RemoteTier | None:

@@ -22,9 +22,14 @@ Rules every backend keeps:
   a head, the rest into a target: a page record's header, and its page in a warm slot), and says
   per key LANDED, MISSING (None above), WRONG_SIZE (a value that is not head + target bytes:
   not landed, a foreign or damaged value) or FAILED_CHECK (landed, and the caller's check(i),
-  called as soon as value i has landed, while its bytes are still in cache, said no). The default
-  reads get_many and copies; a backend that can receive into the caller's memory overrides it. `lend(address, nbytes)` announces memory
-  that targets will lie in (Mooncake registers it with its transfer engine).
+  called as soon as value i has landed, while its bytes are still in cache, said no). A get_into
+  that gives up on a read still running raises StillLanding: its targets are not the caller's
+  to reuse until the read ends. The default
+  reads get_many and copies; a backend that can receive into the caller's memory overrides it.
+  `lend(area, room)` announces the memory targets will lie in (Mooncake registers it with its
+  transfer engine) and, with room, that each target has that many bytes before it in area which
+  are its own: a value whose head fits lands there whole, in one piece, its head then copied out.
+  A factory with `lands_records = True` asks for that room (kvstore.remote.head_room).
 - `describe()` is the URL without its password, for logs and stats.
 """
 
@@ -48,6 +53,15 @@ Check = Callable[[int], bool]   # get_into's check(i): whether value i, landed, 
 
 class RemoteDown(KVStoreError):
     """The remote store cannot be reached or did not answer in time (one line, no secrets)."""
+
+
+class StillLanding(RemoteDown):
+    """get_into gave up waiting for a read that may still write into its targets: they must stay
+    the read's until `when_done(fn)` calls fn (at once if it has ended; maybe never)."""
+
+    def __init__(self, message: str, when_done: Callable[[Callable[[], None]], None]):
+        super().__init__(message)
+        self.when_done = when_done
 
 
 class RemoteBackend(ABC):
@@ -79,8 +93,9 @@ class RemoteBackend(ABC):
         RemoteDown as get_many."""
         return land_values(self.get_many(keys), heads, targets, check)
 
-    def lend(self, address: int, nbytes: int) -> None:
-        """Targets of get_into will lie in these bytes (for as long as the backend lives)."""
+    def lend(self, area: np.ndarray, room: int = 0) -> None:
+        """Targets of get_into will lie in `area` (flat uint8, for as long as the backend lives), each
+        with `room` bytes of its own before it."""
 
     def ping(self) -> None:
         """Raise RemoteDown unless the store answers now."""

@@ -1,7 +1,8 @@
 """WarmLanding: the warm slots that pages read from the remote tier land in before they are cached.
 
 A fetch reserves slots (outside the index, so nothing else sees or evicts them), has the backend
-receive each record's page straight into its slot (and its head beside it), verifies it where it
+receive each record's page straight into its slot (and its head beside it: in the room warm leaves
+before the slot's page, when it leaves one, else apart), verifies it where it
 landed (kvstore.pages.record.check_landed), then adopts the good ones into the index as one chain and
 frees the rest. No page is copied after it arrives; a page that failed verification was never
 indexed, so it is never served. What it is given is the store's narrow core: its lock, its mover,
@@ -25,9 +26,10 @@ class WarmLanding:
         self.timeout_s, self.source_name = backpressure_timeout_s, source_name
 
     @property
-    def area(self) -> tuple[int, int]:
-        """The address and size of warm's memory: where every target lies."""
-        return self.warm.raw.data_ptr(), self.warm.raw.numel()
+    def area(self) -> tuple[np.ndarray, int]:
+        """Warm's memory (flat bytes: where every target lies) and the room before each slot's page
+        that a whole record may land in (warm's head_room)."""
+        return self.warm.buffer.numpy(), self.warm.head_room
 
     def reserve(self, n: int) -> list[tuple[int, np.ndarray]]:
         """Up to n reserved warm slots and their bytes (flat uint8 views), fewer when warm is full."""

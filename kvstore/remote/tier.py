@@ -46,7 +46,7 @@ from kvstore.errors import KVStoreError
 from kvstore.pages import record
 from kvstore.pages.record import RecordHeader
 from kvstore.pages.spec import KVSpec
-from kvstore.remote.backend import LANDED, MISSING, RemoteBackend, RemoteDown
+from kvstore.remote.backend import LANDED, MISSING, RemoteBackend, RemoteDown, StillLanding
 from kvstore.remote.landing import WarmLanding
 
 log = logging.getLogger("kvstore.remote")
@@ -77,7 +77,7 @@ class RemoteTier:
         self._source: Callable[[list[bytes]], list[bytes | None]] | None = None
         self._thread: threading.Thread | None = None
         self._readers: queue.SimpleQueue = queue.SimpleQueue()   # pairs of reader threads, between fetches
-        self._lent: tuple[int, int] | None = None                # warm's memory, where reads land
+        self._lent: tuple[np.ndarray, int] | None = None         # warm's memory, where reads land, and its head room
         self._stopping = False
         # health
         self.state, self.last_error = "up", ""
@@ -143,14 +143,15 @@ class RemoteTier:
         self.state, self.last_error, self.retry_at = "down", str(exc), now + self._backoff
 
     # reads
-    def lend(self, address: int, nbytes: int) -> None:
-        """Reads will land in these bytes (warm's memory): the backend is told, now and on a reconnect."""
-        if not nbytes:
+    def lend(self, area: np.ndarray, room: int) -> None:
+        """Reads will land in `area` (warm's memory; `room` bytes before each slot are its own): the
+        backend is told, now and on a reconnect."""
+        if not area.nbytes:
             return
-        self._lent = (address, nbytes)
+        self._lent = (area, room)
         if self.backend is not None:
             try:
-                self.backend.lend(address, nbytes)
+                self.backend.lend(area, room)
             except RemoteDown as exc:
                 self.mark_down(exc)
 
@@ -226,11 +227,15 @@ class RemoteTier:
         heads = [np.empty(record.head_size(headers[j]), np.uint8) for j in idx]
         t0 = time.monotonic()
         targets = [t for _, t in reserved]
+        slots = [s for s, _ in reserved]
         try:   # each page is checked as soon as it has landed, while its bytes are in cache
             codes = self._call("get_into", [names[j] for j in idx], heads, targets,
                                lambda k: record.check_landed(heads[k], headers[idx[k]], targets[k]))
+        except StillLanding as exc:   # the slots may still be written: free only once the read ends
+            exc.when_done(lambda: landing.release(slots))
+            raise
         except BaseException:
-            landing.release([s for s, _ in reserved])
+            landing.release(slots)
             raise
         self.read_s += time.monotonic() - t0
         self.reads += 1
@@ -244,7 +249,7 @@ class RemoteTier:
                 break
             self.read_bytes += len(head) + len(target)
             good += 1
-        return [s for s, _ in reserved], good
+        return slots, good
 
     def count_corrupt(self, key: bytes) -> None:
         """A value that failed verification: counted, and logged without its contents."""

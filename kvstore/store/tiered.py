@@ -59,7 +59,7 @@ from kvstore.pages.keys import Namespace
 from kvstore.pages.record import RecordHeader
 from kvstore.pages.spec import KVSpec
 from kvstore.placement.index import PageEntry
-from kvstore.remote import open_remote
+from kvstore.remote import head_room, open_remote
 from kvstore.store.core import Listener, Match, StoreCore  # noqa: F401 (Match: re-exported)
 from kvstore.store.fetch import RemoteFetch
 from kvstore.store.handle import CacheHandle
@@ -116,7 +116,8 @@ class TieredStore:
         tiers: list[Tier] = []
         try:
             tiers = build_tiers(spec, layout(config, spec, device, pool_bytes,
-                                             self.data_dir.shm_name if self.data_dir else None, extra_tiers))
+                                             self.data_dir.shm_name if self.data_dir else None, extra_tiers,
+                                             head_room(config, spec)))
             remote = open_remote(config, spec)
         except BaseException:
             for tier in tiers:

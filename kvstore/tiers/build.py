@@ -25,12 +25,16 @@ Layer = tuple[str, str, dict]   # (role, backend name, settings)
 
 
 def layout(config: Config, spec: KVSpec, device_: torch.device, pool_bytes: int, shm_name: str | None,
-           extra: Sequence[Layer] = ()) -> list[Layer]:
-    """(role, backend, settings) of each tier, fastest first, from the config's hot, warm and cold sections."""
+           extra: Sequence[Layer] = (), head_room: int = 0) -> list[Layer]:
+    """(role, backend, settings) of each tier, fastest first, from the config's hot, warm and cold
+    sections. head_room: bytes warm leaves before each page for a remote read to land a whole record
+    in (kvstore.remote.head_room; none in shared memory, which another process maps slot by slot)."""
+    warm = {"num_slots": config.warm.bytes // spec.page_bytes, "shared": config.warm.shared_memory,
+            "shm_name": shm_name}
+    if head_room and not config.warm.shared_memory:
+        warm.update(num_slots=config.warm.bytes // host.slot_stride(spec, head_room), head_room=head_room)   # warm.bytes bounds the memory
     layers = [("hot", config.hot.backend, {"num_slots": pool_bytes // spec.page_bytes, "device": device_}),
-              ("warm", config.warm.backend, {"num_slots": config.warm.bytes // spec.page_bytes,
-                                             "shared": config.warm.shared_memory, "shm_name": shm_name}),
-              *extra]
+              ("warm", config.warm.backend, warm), *extra]
     if config.cold.enabled:
         layers.append(("cold", config.cold.backend, {"path": config.cold_path, "max_bytes": config.cold.max_bytes,
                                         "map_size_max": config.cold_map_size_max,

@@ -24,6 +24,15 @@ from kvstore.tiers.buffers import copy_bytes_serial, copy_serial
 from kvstore.tiers.host import HostTier
 
 
+def _dma_runs(src: list[int], dst: list[int], warm: HostTier) -> list[tuple[int, int, int]]:
+    """runs(src, dst) for copies between the device and warm, each one DMA: a run of warm slots is
+    contiguous only where warm leaves no head room between its pages; else one page a copy (PyTorch
+    would stage a strided host run through unpinned memory, and copy it synchronously)."""
+    if not warm.head_room:
+        return runs(src, dst)
+    return [(s, d, 1) for s, d in zip(src, dst)]
+
+
 @TIER_BACKENDS.register("device")
 def device_tier(role: str, spec: KVSpec, num_slots: int, device: str | torch.device = "cpu", **_) -> DeviceTier:
     """The paged KV pool on the GPU (or CPU): the hot tier."""
@@ -123,7 +132,7 @@ class DeviceTier(SlotTier):
             self.copy_stream.wait_stream(compute)  # the page's last writes are on the compute stream
             staging = self.gather(slots)  # on-device gather at HBM speed, then one DMA per run
             i = 0
-            for _, d, n in runs(list(range(len(slots))), warm_slots):
+            for _, d, n in _dma_runs(list(range(len(slots))), warm_slots, warm):
                 warm.pages[d:d + n].copy_(staging[i:i + n], non_blocking=True)
                 i += n
             done = torch.cuda.Event()
@@ -144,7 +153,7 @@ class DeviceTier(SlotTier):
             staging = torch.empty((len(slots), *self.spec.page_shape), dtype=self.spec.torch_dtype,
                                   device=self.device)
             i = 0
-            for s, _, n in runs(warm_slots, list(range(len(slots)))):
+            for s, _, n in _dma_runs(warm_slots, list(range(len(slots))), warm):
                 staging[i:i + n].copy_(warm.pages[s:s + n], non_blocking=True)
                 i += n
             self.scatter(slots, staging)

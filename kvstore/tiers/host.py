@@ -1,7 +1,10 @@
 """The warm tier: page-first slots in one host buffer.
 
 Layout: pages [slots, layers, 2, page_size, kv_heads, head_dim]; raw [slots, page_bytes] is the
-same memory as bytes (what the cold tier reads and writes). The buffer is pinned when CUDA is
+same memory as bytes (what the cold tier reads and writes); `buffer` is all of it, flat. With
+`head_room`, each slot's page is preceded by that many bytes of its own (a multiple of 64; the
+slots then lie `stride` bytes apart, every page 64-byte aligned): a remote read lands a whole
+record there, its head just before its page (kvstore.remote.landing), in one transfer. The buffer is pinned when CUDA is
 present (fast, async DMA to and from the hot tier), and may live in a POSIX shared-memory
 segment so another process (the sidecar's client) can map it.
 
@@ -30,10 +33,15 @@ class HostTier(SlotTier):
     name = "warm"
 
     def __init__(self, spec: KVSpec, num_slots: int, pin: bool | None = None, shared: bool = False,
-                 shm_name: str | None = None):
-        """`shared`: in a POSIX shared-memory segment, named `shm_name` (random when None)."""
+                 shm_name: str | None = None, head_room: int = 0):
+        """`shared`: in a POSIX shared-memory segment, named `shm_name` (random when None); its slots
+        are contiguous (another process maps them so), so it takes no head_room."""
         super().__init__(spec)
-        nbytes = num_slots * spec.page_bytes
+        if head_room % 64 or head_room < 0 or (head_room and shared):
+            raise ValueError(f"head_room must be a multiple of 64 bytes, and 0 for shared memory: {head_room}")
+        self.head_room = head_room
+        self.stride = slot_stride(spec, head_room)
+        nbytes = num_slots * self.stride
         self.shm: shared_memory.SharedMemory | None = None
         self._registered_ptr: int | None = None
         if shared and nbytes:
@@ -45,9 +53,10 @@ class HostTier(SlotTier):
         else:
             pin = torch.cuda.is_available() if pin is None else pin
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and nbytes > 0)
-        self.raw = buf.view(num_slots, spec.page_bytes)  # [slots, page_bytes]
+        self.buffer = buf
+        self.raw = buf.view(num_slots, self.stride)[:, head_room:head_room + spec.page_bytes]  # [slots, page_bytes]
         # [slots, layers, 2, page_size, kv_heads, head_dim]
-        self.pages = buf.view(spec.torch_dtype).view(num_slots, *spec.page_shape)
+        self.pages = self.raw.view(spec.torch_dtype).view(num_slots, *spec.page_shape)
         self.pool = SlotPool(num_slots)
 
     @property
@@ -66,7 +75,7 @@ class HostTier(SlotTier):
             self.raw[s].numpy()[:] = as_byte_view(p)
 
     def close(self) -> None:
-        self.raw = self.pages = torch.empty(0)
+        self.raw = self.pages = self.buffer = torch.empty(0)
         if self.shm is not None:
             if getattr(self, "_registered_ptr", None):
                 torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
@@ -75,11 +84,16 @@ class HostTier(SlotTier):
             self.shm = None
 
 
+def slot_stride(spec: KVSpec, head_room: int) -> int:
+    """Bytes from one warm slot to the next: the page, or with head_room the room and the page, to 64 bytes."""
+    return spec.page_bytes if not head_room else -(-(head_room + spec.page_bytes) // 64) * 64
+
+
 @TIER_BACKENDS.register("host")
 def host_tier(role: str, spec: KVSpec, num_slots: int, shared: bool = False, shm_name: str | None = None,
-              **_) -> HostTier:
+              head_room: int = 0, **_) -> HostTier:
     """Pinned host memory (a shared-memory segment when `shared`): the warm tier."""
-    tier = HostTier(spec, num_slots, shared=shared, shm_name=shm_name)
+    tier = HostTier(spec, num_slots, shared=shared, shm_name=shm_name, head_room=head_room)
     tier.name = role
     return tier
 

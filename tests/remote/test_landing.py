@@ -189,9 +189,45 @@ def test_mooncake_lands_values_and_tells_the_rest_apart(tmp_path):
         check_landed(*land(backend, keys, 700 * 1024), keys, stored)
         assert_checked(backend, keys, 700 * 1024)
         area = np.zeros(4 * (700 << 10), np.uint8)    # memory the tier lends: registered, and landed in
-        backend.lend(area.ctypes.data, area.nbytes)
+        backend.lend(area)
         codes = backend.get_into(["v:exact"], [np.zeros(HEAD, np.uint8)], [area[:700 << 10]])
         assert codes == [LANDED] and area[:700 << 10].tobytes() == stored["v:exact"][HEAD:]
+    finally:
+        backend.close()
+        master.stop()
+
+
+def test_mooncake_lands_whole_values_in_the_room_before_each_target(tmp_path):
+    """With room lent before each target, a value lands in one piece, its head in the room: every
+    kind is told apart as before, and nothing outside a slot's room and target is written (a long
+    value is refused, not spilled into the next slot)."""
+    requires(not mooncakeutil.missing(), mooncakeutil.missing())
+    master = mooncakeutil.MooncakeMaster(tmp_path / "master")
+    backend = REMOTE_BACKENDS.get("mooncake")(master.url, 2.0)
+    size, room = 700 * 1024, 64
+    stride = room + size + 64        # room, target, then a guard that no value may touch
+    try:
+        stored = values(size)
+        backend.put_many([(k, v) for k, v in stored.items() if v is not None])
+        keys = list(stored)
+        area = np.full(len(keys) * stride, 0xAB, np.uint8)
+        backend.lend(area, room)
+        targets = [area[i * stride + room:i * stride + room + size] for i in range(len(keys))]
+        heads = [np.zeros(HEAD, np.uint8) for _ in keys]
+        codes = backend.get_into(keys, heads, targets)
+        check_landed(codes, heads, targets, keys, stored)
+        for i in range(len(keys)):
+            guard = area[i * stride + room + size:(i + 1) * stride]
+            assert (guard == 0xAB).all(), f"{keys[i]} wrote past its target"
+            assert (area[i * stride:i * stride + room - HEAD] == 0xAB).all(), f"{keys[i]} wrote before its head"
+            if codes[i] == LANDED:   # in one piece: the head is in the room, just before the target
+                assert area[i * stride + room - HEAD:i * stride + room].tobytes() == stored[keys[i]][:HEAD]
+        assert_checked(backend, keys, size)
+        # a head longer than the room lands in two parts, still exactly
+        head = np.zeros(room + 8, np.uint8)
+        target = area[room + size - (HEAD + size - len(head)):room + size]
+        assert backend.get_into(["v:exact"], [head], [target]) == [LANDED]
+        assert head.tobytes() + target.tobytes() == stored["v:exact"]
     finally:
         backend.close()
         master.stop()

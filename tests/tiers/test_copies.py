@@ -17,10 +17,13 @@ from kvstore.tiers.host import HostTier
 from conftest import requires
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_hot_copies_are_exact_both_ways(dtype):
+@pytest.mark.parametrize("dtype,head_room", [("float32", 0), ("bfloat16", 0), ("float16", 0), ("float32", 192),
+                                            ("bfloat16", 64)])
+def test_hot_copies_are_exact_both_ways(dtype, head_room):
     spec = KVSpec(3, 2, 16, dtype, 8)
-    hot, warm = DeviceTier(spec, 12), HostTier(spec, 12, pin=False)
+    hot, warm = DeviceTier(spec, 12), HostTier(spec, 12, pin=False, head_room=head_room)
+    if head_room:   # each slot's room, before its page, is never written by a page copy
+        warm.buffer.view(12, warm.stride)[:, :head_room] = 0xAB
     g = torch.Generator().manual_seed(1)
     hot.kv.copy_(torch.randn(hot.kv.shape, generator=g).to(hot.kv.dtype))
     slots = [5, 6, 7, 2, 9]   # a run and two single slots
@@ -40,6 +43,26 @@ def test_hot_copies_are_exact_both_ways(dtype):
     hot.store_pages([4, 0], [as_bytes[0], bytearray(as_bytes[1])])   # read-only and writable buffers
     assert torch.equal(hot.read_page(4), pages[1]) and torch.equal(hot.read_page(0), pages[3])
     assert [bytes(p) for p in hot.payloads([4, 0])] == as_bytes
+    warm.store_pages([3], [as_bytes[0]])
+    assert bytes(warm.payloads([3])[0]) == as_bytes[0] and torch.equal(warm.pages[3], pages[1])
+    if head_room:
+        assert (warm.buffer.view(12, warm.stride)[:, :head_room] == 0xAB).all()
+
+
+def test_warm_head_room_lies_before_each_page_and_is_checked():
+    spec = KVSpec(2, 1, 8, "float32", 4)   # 512-byte pages
+    warm = HostTier(spec, 5, pin=False, head_room=128)
+    assert warm.stride == 640 and warm.buffer.numel() == 5 * 640
+    base = warm.buffer.data_ptr()
+    for s, target in enumerate(warm.targets(range(5))):
+        assert target.data_ptr() == base + s * 640 + 128 and target.numel() == 512
+        assert target.data_ptr() % 64 == 0
+    assert HostTier(spec, 5, pin=False).stride == 512   # no room: slots back to back
+    for bad in (-64, 100):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            HostTier(spec, 2, pin=False, head_room=bad)
+    with pytest.raises(ValueError, match="0 for shared memory"):
+        HostTier(spec, 2, pin=False, shared=True, head_room=64)
 
 
 def test_copy_serial_refuses_a_mismatch():

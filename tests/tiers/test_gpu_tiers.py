@@ -18,10 +18,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 SPEC = KVSpec(4, 8, 128, "bfloat16", 16)
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_round_trip_through_pinned_warm_is_byte_identical(shared):
+@pytest.mark.parametrize("shared,head_room", [(False, 0), (True, 0), (False, 256)])
+def test_round_trip_through_pinned_warm_is_byte_identical(shared, head_room):
     hot = DeviceTier(SPEC, 64, "cuda")
-    warm = HostTier(SPEC, 64, shared=shared)
+    warm = HostTier(SPEC, 64, shared=shared, head_room=head_room)   # head room: a page a DMA
     assert warm.raw.is_pinned() or shared
     hot.kv.copy_(torch.randn(hot.kv.shape, device="cuda").to(SPEC.torch_dtype))
     before = hot.kv.clone()
