@@ -2,21 +2,24 @@
 of 700 KiB, and a value larger than any before), a key the store does not hold reads as None,
 exists and delete (a key just read too), a put overwrites, a killed or hung master gives
 RemoteDown within timeout_s + 2 s and the restarted or woken one is used again; a bad URL, a
-master that is not running and, without the package, any URL are refused."""
+master that is not running and, without the package, any URL are refused; the thread that
+waits in the library runs at the lowest priority."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 import mooncakeutil
-from conftest import clean_env
+from conftest import clean_env, requires
 from kvstore.errors import ConfigError
 from kvstore.remote.backend import REMOTE_BACKENDS, RemoteDown
+from kvstore.remote import mooncake
 from kvstore.remote.mooncake import parse_url
 
 needs = (not mooncakeutil.missing(), mooncakeutil.missing())
@@ -163,3 +166,14 @@ def test_without_the_package_the_url_is_a_config_error():
             "except ConfigError as exc:\n    print(exc.key, exc.allowed)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=60)
     assert out.stdout.startswith("remote.url mooncake:// needs the package mooncake-transfer-engine-non-cuda"), out
+
+
+def test_the_helper_thread_polls_at_the_lowest_priority(backend):
+    """The library busy-waits on the thread that calls it: on Linux that thread runs at nice
+    HELPER_NICE, so the polling yields to the transfer threads and to inference."""
+    requires(sys.platform.startswith("linux"), "a thread's own nice value is Linux's")
+    backend.put_many(pages(1))
+    helpers = [t for t in threading.enumerate() if t.name == "kvstore-mooncake" and t.is_alive()]
+    assert helpers
+    for t in helpers:
+        assert os.getpriority(os.PRIO_PROCESS, t.native_id) == mooncake.HELPER_NICE
