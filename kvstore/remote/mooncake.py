@@ -18,8 +18,11 @@ mooncake://MASTER_HOST:PORT?metadata=URL[&segment=SIZE&buffer=SIZE&protocol=tcp|
   values are read-only views, valid until the thread's next get_many. A write copies into a
   registered area and is one batch_upsert_from (overwriting, as Redis does). Missing keys: None.
 - The library waits up to 30 s for a hung master (~4 s for a gone one), so each call runs on a
-  helper thread (one, kept: the library keeps state per thread) waited for at most timeout_s; then RemoteDown, while the call goes on in the
-  background and calls fail at once until it ends. Calls are serialized. setup and close hold
+  helper thread (one, kept: the library keeps state per thread; at nice 19 on Linux, as the library
+  polls for a transfer's end on it) waited for at most timeout_s; then RemoteDown (StillLanding
+  for a read: its targets stay the call's), while the call goes on in the background and calls
+  fail at once until it ends. Calls are serialized; a read is queued in the caller's turn and
+  waited for after it, so the next caller's is queued behind it. setup and close hold
   the GIL (setup: ~90 s with no master; close: ~1 s, ~9 s with it gone, ~90 s with it hung): the
   master and metadata server must accept a connection within timeout_s before setup, and close
   leaves open a store whose master does not answer.
