@@ -53,6 +53,15 @@ def import_or_unavailable(module: str):
 
 
 @pytest.fixture
+def mooncake_master(tmp_path):
+    """A mooncake_master with its HTTP metadata server on free loopback ports, stopped after the test."""
+    import mooncakeutil
+    master = mooncakeutil.MooncakeMaster(tmp_path / "master")
+    yield master
+    master.stop()
+
+
+@pytest.fixture
 def requires_part(request):
     """A module's `needs = (available, reason)` applied to each of its tests (see requires)."""
     requires(*request.module.needs)

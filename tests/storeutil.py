@@ -45,6 +45,13 @@ def make_store(data_dir, **kw) -> TieredStore:
     return s
 
 
+def reserved_warm_slots(store: TieredStore) -> int:
+    """Warm slots in use that hold no indexed page and no caller's allocation: a fetch's reservations."""
+    with store.core.lock:
+        used = store.warm.pool.num_slots - store.warm.pool.num_free
+        return used - len(store.index.warm_slots) - len(store.core.warm_owned)
+
+
 def hold(store: TieredStore, keys) -> list[int]:
     """Hot slots of a cached chain, loading its cold pages first (acquire alone never reads the disk)."""
     store.promote(keys, "warm")

@@ -86,7 +86,12 @@ def page_tokens(tokens: Sequence[int], page_size: int, start: int = 0) -> list[b
 
 def chain_key(namespace_digest: bytes, parent: bytes, page_tokens: Sequence[int]) -> bytes:
     """The key of one page given its parent's key (the namespace digest for page 0)."""
-    return blake3.blake3(namespace_digest + parent + tokens_bytes(page_tokens)).digest(KEY_BYTES)
+    return _chain(namespace_digest, parent, tokens_bytes(page_tokens))
+
+
+def _chain(namespace_digest: bytes, parent: bytes, token_bytes: bytes) -> bytes:
+    """chain_key of a page's tokens already converted (tokens_bytes)."""
+    return blake3.blake3(namespace_digest + parent + token_bytes).digest(KEY_BYTES)
 
 
 def page_keys(namespace: Namespace, tokens: Sequence[int], page_size: int,
@@ -101,6 +106,6 @@ def page_keys(namespace: Namespace, tokens: Sequence[int], page_size: int,
         raise ValueError("page_keys: parent key required when start > 0")
     keys = []
     for page in page_tokens(tokens, page_size, start):
-        prev = blake3.blake3(digest + prev + page).digest(KEY_BYTES)   # chain_key, of bytes converted once
+        prev = _chain(digest, prev, page)
         keys.append(prev)
     return keys

@@ -14,6 +14,7 @@ from kvstore.pages import record
 from kvstore.pages.spec import KVSpec
 from kvstore.remote.backend import REMOTE_BACKENDS, RemoteBackend, RemoteDown
 from kvstore.remote.tier import RemoteTier
+from kvstore.tiers.buffers import round_up
 
 __all__ = ["RemoteBackend", "RemoteDown", "RemoteTier", "head_room", "open_remote"]
 
@@ -35,7 +36,7 @@ def head_room(config: Config, spec: KVSpec) -> int:
     value read in two parts costs a transfer slice more per page); else 0."""
     if not config.remote.url or not getattr(_factory(config.remote.url), "lands_records", False):
         return 0
-    return -(-record.head_bound(spec) // 64) * 64
+    return round_up(record.head_bound(spec), 64)
 
 
 def open_remote(config: Config, spec: KVSpec) -> RemoteTier | None:

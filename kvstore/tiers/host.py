@@ -24,7 +24,7 @@ import torch
 
 from kvstore.pages.spec import KVSpec
 from kvstore.tiers.base import TIER_BACKENDS, SlotPool, SlotTier
-from kvstore.tiers.buffers import as_byte_view
+from kvstore.tiers.buffers import as_byte_view, round_up
 
 log = logging.getLogger("kvstore.warm")
 
@@ -86,7 +86,7 @@ class HostTier(SlotTier):
 
 def slot_stride(spec: KVSpec, head_room: int) -> int:
     """Bytes from one warm slot to the next: the page, or with head_room the room and the page, to 64 bytes."""
-    return spec.page_bytes if not head_room else -(-(head_room + spec.page_bytes) // 64) * 64
+    return spec.page_bytes if not head_room else round_up(head_room + spec.page_bytes, 64)
 
 
 @TIER_BACKENDS.register("host")

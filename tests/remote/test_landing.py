@@ -23,7 +23,7 @@ from kvstore.remote.backend import FAILED_CHECK, LANDED, MISSING, REMOTE_BACKEND
 from kvstore.remote.resp import ERROR, HandshakeRefused, LandingConnection
 from redisfixtures import cluster, single  # noqa: F401 (fixtures)
 from redisutil import RedisServer, make_cluster
-from storeutil import fill_and_commit, make_store, settle, tokens_for
+from storeutil import fill_and_commit, make_store, reserved_warm_slots, settle, tokens_for
 
 HEAD = 40
 
@@ -233,13 +233,6 @@ def test_mooncake_lands_whole_values_in_the_room_before_each_target(tmp_path):
         master.stop()
 
 
-def _warm_accounted(store) -> None:
-    """Every used warm slot holds an indexed page or a caller's allocation: none is left reserved."""
-    with store.core.lock:
-        used = store.warm.pool.num_slots - store.warm.pool.num_free
-        assert used == len(store.index.warm_slots) + len(store.core.warm_owned)
-
-
 def test_a_fetch_adopts_what_warm_has_room_for_and_leaves_no_slot_reserved(tmp_path, single):
     a = make_store(tmp_path / "a", **{"remote.url": single.url, "remote.key_prefix": "w1:"})
     ns, tokens = a.namespace(), tokens_for(11, 6)
@@ -253,12 +246,12 @@ def test_a_fetch_adopts_what_warm_has_room_for_and_leaves_no_slot_reserved(tmp_p
     try:
         local, added = b.fetch_remote(tokens, ns)
         assert (local, added) == (0, 4) and b.match(tokens, ns).num_pages == 4
-        _warm_accounted(b)
+        assert reserved_warm_slots(b) == 0   # every used slot is indexed or a caller's
         redis.Redis.from_url(single.url).set(f"w1:page:{ns.digest.hex()}:{keys[2].hex()}", b"damaged")
         b.evict(keys[:4])
         assert b.fetch_remote(tokens, ns) == (0, 2)     # the damaged third page ends the chain
         assert b.stats()["tiers"]["remote"]["corrupt_pages"] == 1
-        _warm_accounted(b)
+        assert reserved_warm_slots(b) == 0   # every used slot is indexed or a caller's
     finally:
         b.close()
 

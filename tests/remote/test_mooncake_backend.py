@@ -30,15 +30,8 @@ TIMEOUT_S = 1.0
 
 
 @pytest.fixture
-def master(tmp_path):
-    m = mooncakeutil.MooncakeMaster(tmp_path / "master")
-    yield m
-    m.stop()
-
-
-@pytest.fixture
-def backend(master):
-    b = REMOTE_BACKENDS.get("mooncake")(master.url, TIMEOUT_S)
+def backend(mooncake_master):
+    b = REMOTE_BACKENDS.get("mooncake")(mooncake_master.url, TIMEOUT_S)
     yield b
     b.close()
 
@@ -95,10 +88,10 @@ def wait_until_answered(call, within_s: float = 20):
             time.sleep(0.2)
 
 
-def test_killed_master_gives_remote_down_in_time_and_a_restarted_one_is_used(backend, master):
+def test_killed_master_gives_remote_down_in_time_and_a_restarted_one_is_used(backend, mooncake_master):
     items = pages(4)
     backend.put_many(items)
-    master.kill()
+    mooncake_master.kill()
     for call in (lambda: backend.get_many([k for k, _ in items]), lambda: backend.put_many(pages(2, "q")),
                  lambda: backend.exists_many(["kvstore:p0"]), backend.ping):
         start = time.monotonic()
@@ -106,23 +99,23 @@ def test_killed_master_gives_remote_down_in_time_and_a_restarted_one_is_used(bac
             call()
         assert time.monotonic() - start < TIMEOUT_S + 2
         assert "\n" not in str(exc.value)
-    master.start()
+    mooncake_master.start()
     wait_until_answered(lambda: backend.put_many([("kvstore:again", b"x" * 4096)]))
     assert bytes(backend.get_many(["kvstore:again"])[0]) == b"x" * 4096
     assert backend.get_many([items[0][0]]) == [None]   # a new master knows no key
 
 
-def test_hung_master_gives_remote_down_then_recovers(backend, master):
+def test_hung_master_gives_remote_down_then_recovers(backend, mooncake_master):
     items = pages(2)
     backend.put_many(items)
-    master.freeze()
+    mooncake_master.freeze()
     start = time.monotonic()
     with pytest.raises(RemoteDown, match="did not answer"):
         backend.get_many([k for k, _ in items])
     with pytest.raises(RemoteDown, match="has not answered an earlier"):
         backend.exists_many(["kvstore:p0"])
     assert time.monotonic() - start < 2 * TIMEOUT_S + 2
-    master.thaw()
+    mooncake_master.thaw()
     got = wait_until_answered(lambda: backend.get_many([k for k, _ in items]))
     assert [bytes(v) for v in got] == [v for _, v in items]
 
