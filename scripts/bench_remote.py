@@ -29,10 +29,11 @@ Per backend:
     kvstore   store B (its own data directory, empty; warm holds the whole chain; no cold tier:
               it only reads; for Mooncake it lends no memory, segment=0) calls fetch_remote for
               the document: the records land straight in reserved warm slots, READ_CHUNK (16)
-              pages a call, two calls in flight (Redis: pipelined GETs received into warm;
-              Mooncake: one batch_get_into into registered warm memory, each record landing whole,
-              its head in the room warm leaves before each page, the call made from a helper
-              thread at nice 19), each is verified where it landed and adopted into warm. Only that call is timed; B then evicts the pages again. Every
+              pages a call, two calls in flight (one for one redis-server; Redis: pipelined GETs
+              received into warm; Mooncake: one batch_get_into into registered warm memory, each
+              record landing whole, its head in the room warm leaves before each page, the call
+              made from a helper thread at nice 19), each is verified where it landed and adopted
+              into warm. Only that call is timed; B then evicts the pages again. Every
               page must arrive. A first fetch, into warm memory never written before (its page
               faults: a fresh instance's first fetch), checks each page's bytes against what A
               wrote and is reported apart (kvstore_first_touch_gbps); the repetitions reuse B's

@@ -30,6 +30,9 @@ Rules every backend keeps:
   transfer engine) and, with room, that each target has that many bytes before it in area which
   are its own: a value whose head fits lands there whole, in one piece, its head then copied out.
   A factory with `lands_records = True` asks for that room (kvstore.remote.head_room).
+- `reads_in_flight`: how many get_into calls the remote tier has in flight for one fetch, on as
+  many threads (at most its IN_FLIGHT, 2): one for a backend whose reads all go to one
+  single-threaded server, where a second connection only makes the server interleave them.
 - `describe()` is the URL without its password, for logs and stats.
 """
 
@@ -66,6 +69,7 @@ class StillLanding(RemoteDown):
 
 class RemoteBackend(ABC):
     scheme: str = ""
+    reads_in_flight = 2
 
     def __init__(self, url: str, timeout_s: float):
         self.url, self.timeout_s = url, timeout_s

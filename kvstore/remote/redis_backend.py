@@ -43,6 +43,9 @@ def _one_line(exc: BaseException) -> str:
 
 class RedisBackend(RemoteBackend):
     scheme = "redis"
+    # one read at a time: a second connection to the one single-threaded server made it interleave
+    # two pipelines (kvstore 0.76-0.95x redis-py's throughput, 0.96-1.11x with one; BENCHMARKS.md)
+    reads_in_flight = 1
 
     def __init__(self, url: str, timeout_s: float, password: str = ""):
         super().__init__(url, timeout_s)
@@ -207,6 +210,7 @@ class RedisBackend(RemoteBackend):
 
 class RedisClusterBackend(RedisBackend):
     scheme = "redis+cluster"
+    reads_in_flight = 2   # a read fans out over the masters: two keep them busy (1.12-1.20x redis-py; one 1.13)
 
     def _connect(self, url: str, opts: dict):
         parts = urlsplit(url)

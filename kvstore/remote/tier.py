@@ -53,7 +53,8 @@ log = logging.getLogger("kvstore.remote")
 
 WRITE_BATCH_BYTES = 16 << 20   # record bytes per write batch, at most
 READ_CHUNK = 16                # pages per read call (16 measured faster than 32 and 64)
-IN_FLIGHT = 2                  # read calls a fetch has in flight (on as many reader threads)
+IN_FLIGHT = 2                  # read calls a fetch has in flight at most (on as many reader threads);
+                               # a backend may ask for fewer (RemoteBackend.reads_in_flight)
 BACKOFF_S = (0.5, 30.0)        # wait before retrying a remote that failed: first and longest
 DRAIN_S = 10.0                 # close() writes what is queued for at most this long
 
@@ -171,21 +172,22 @@ class RemoteTier:
             parent = parent if roots else key
         names = [self.key(namespace, k) for k in keys]
         known = len(names) if known is None else min(known, len(names))
-        # two chunks are in flight on two reader threads: one is received while the other is verified
-        # (where it landed) and adopted
+        # up to IN_FLIGHT chunks are read on as many reader threads while this thread adopts the one
+        # received (verified where it landed) before them
         chunks = [range(a, min(a + READ_CHUNK, known)) for a in range(0, known, READ_CHUNK)]
         total, inflight = 0, collections.deque()
         readers = self._take_readers()
+        ahead = max(1, min(IN_FLIGHT, getattr(self.backend, "reads_in_flight", IN_FLIGHT)))
 
         def submit(i: int) -> None:
-            inflight.append(readers[i % IN_FLIGHT].submit(self._land, names, headers, chunks[i], landing))
+            inflight.append(readers[i % ahead].submit(self._land, names, headers, chunks[i], landing))
         try:
-            for i in range(min(IN_FLIGHT, len(chunks))):
+            for i in range(min(ahead, len(chunks))):
                 submit(i)
             for i, chunk in enumerate(chunks):
                 slots, good = inflight.popleft().result()
-                if good == len(chunk) and i + IN_FLIGHT < len(chunks):
-                    submit(i + IN_FLIGHT)
+                if good == len(chunk) and i + ahead < len(chunks):
+                    submit(i + ahead)
                 stored = landing.adopt([headers[j] for j in chunk[:good]], slots[:good]) if good else 0
                 landing.release(slots[good:])
                 total += stored

@@ -79,6 +79,20 @@ def test_a_fresh_store_finds_what_another_wrote_byte_exact(tmp_path, request, ki
         b.close()
 
 
+def test_one_server_is_read_over_one_connection_a_chunk_at_a_time(tmp_path, single, monkeypatch):
+    """A single-threaded server given two pipelines at once interleaves them: a fetch from one
+    redis-server keeps one read in flight (RedisBackend.reads_in_flight), on one connection."""
+    monkeypatch.setattr("kvstore.remote.tier.READ_CHUNK", 2)   # the document's 6 pages in 3 reads
+    ns, tokens, _, _ = written(tmp_path, single.url, 6, "t6:")
+    b, (local, added) = fetched(tmp_path, single.url, ns, tokens, "t6:")
+    try:
+        assert (local, added) == (0, PAGES) and b.remote.reads == 3
+        readers = [c for c in redis.Redis.from_url(single.url).client_list() if c["cmd"] == "get"]
+        assert len(readers) == 1
+    finally:
+        b.close()
+
+
 def test_another_namespace_finds_nothing(tmp_path, single):
     ns, tokens, _, _ = written(tmp_path, single.url, 2, "t2:")
     b, (local, added) = fetched(tmp_path, single.url, ns.with_tenant("other"), tokens, "t2:")
