@@ -3,7 +3,7 @@
 server, and a 3-master Redis Cluster) and from Mooncake Store, next to the backend's own client
 reading the same bytes.
 
-    scripts/bench_remote.py [--backend single|cluster|mooncake|both|all] [--pages 256] [--repeat 7] [--known]
+    scripts/bench_remote.py [--backend single|cluster|mooncake|both|all] [--pages 256] [--repeat 7] [--known] [--busy N]
 
 Prints one JSON object on stdout (progress goes to stderr).
 
@@ -32,7 +32,7 @@ Per backend:
               pages a call, two calls in flight (one for one redis-server; Redis: pipelined GETs
               received into warm; Mooncake: one batch_get_into into registered warm memory, each
               record landing whole, its head in the room warm leaves before each page, the call
-              made from a helper thread at nice 19), each is verified where it landed and adopted
+              made from a helper thread), each is verified where it landed and adopted
               into warm. Only that call is timed; B then evicts the pages again. Every
               page must arrive. A first fetch, into warm memory never written before (its page
               faults: a fresh instance's first fetch), checks each page's bytes against what A
@@ -53,6 +53,10 @@ kvstore / client (goal >= 0.8; and ratio_paired, the median over repetitions of 
 each, which a machine whose speed drifts between repetitions moves less), the page and byte counts, and for reference the machine's memory
 copy speed for the same bytes (numpy, into memory already touched) and the client's throughput
 followed by one such copy (client_then_copy_gbps).
+
+--busy N keeps N more cores busy (N processes, each a Python loop) while store B and the client
+read (from the first fetch to the last repetition): a machine whose cores an engine's inference
+holds. The JSON says how many ("busy"); 0, the default, is an idle machine.
 
 --ttft (time to first token of a request whose prefix comes from the remote) is not built: the
 option is refused.
@@ -89,7 +93,7 @@ from kvstore.remote.tier import READ_CHUNK  # noqa: E402
 from kvstore.store.tiered import TieredStore  # noqa: E402
 import mooncakeutil  # noqa: E402   (imports mooncake only when asked whether it is installed)
 from remote_clients import MooncakeClient, RedisClient, client_fetch  # noqa: E402
-from remote_harness import BenchError, log, missing_executable, server_url, start_servers  # noqa: E402
+from remote_harness import BenchError, BusyCores, log, missing_executable, server_url, start_servers  # noqa: E402
 from storeutil import grow  # noqa: E402
 
 SPEC = KVSpec(30, 3, 64, "float32", 16)   # SmolLM2-135M: 737,280 bytes a page
@@ -249,16 +253,17 @@ def bench_backend(kind: str, args, tmp: Path) -> dict:
         ways = ("kvstore", "client", "client_kept") if kind == "mooncake" else ("kvstore", "client")
         times: dict[str, list[float]] = {w: [] for w in ways}
         b = open_reader(tmp, url_b, args.pages)
-        first_touch = kvstore_fetch(b, ns, tokens, keys, known, digests)   # into warm never written before
-        for r in range(args.repeat):
-            for who in ways[r % len(ways):] + ways[:r % len(ways)]:   # each way first in turn
-                if who == "kvstore":
-                    s = kvstore_fetch(b, ns, tokens, keys, known, None)
-                else:
-                    s = client_fetch(client, names, sizes, kept=who == "client_kept")
-                times[who].append(s)
-            log(f"{kind}: repetition {r + 1}/{args.repeat}: kvstore {gbps(nbytes, times['kvstore'][-1]):.2f} GB/s, "
-                f"client {gbps(nbytes, times['client'][-1]):.2f} GB/s")
+        with BusyCores(args.busy):
+            first_touch = kvstore_fetch(b, ns, tokens, keys, known, digests)   # into warm never written before
+            for r in range(args.repeat):
+                for who in ways[r % len(ways):] + ways[:r % len(ways)]:   # each way first in turn
+                    if who == "kvstore":
+                        s = kvstore_fetch(b, ns, tokens, keys, known, None)
+                    else:
+                        s = client_fetch(client, names, sizes, kept=who == "client_kept")
+                    times[who].append(s)
+                log(f"{kind}: repetition {r + 1}/{args.repeat}: kvstore {gbps(nbytes, times['kvstore'][-1]):.2f} "
+                    f"GB/s, client {gbps(nbytes, times['client'][-1]):.2f} GB/s")
     finally:
         # readers first, then the store that lends the memory (Mooncake), then the servers
         try:
@@ -324,12 +329,16 @@ def main() -> int:
                     "(default 7)")
     ap.add_argument("--known", action="store_true", help="pass fetch_remote known=PAGES, as when the prefix index "
                     "says what the remote holds (default: the store asks the remote, one more round trip)")
+    ap.add_argument("--busy", type=int, default=0, help="processes that each keep a core busy while the "
+                    "reads are measured: a machine whose cores inference holds (default 0: idle)")
     ap.add_argument("--seed", type=int, default=0, help="token ids and page content (default 0)")
     ap.add_argument("--ttft", action="store_true", help="not built: refused (see the end of this help)")
     args = ap.parse_args()
     for flag in ("pages", "repeat"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be an integer >= 1")
+    if args.busy < 0:
+        ap.error("--busy must be an integer >= 0")
     if args.ttft:
         ap.error("--ttft is not built: this benchmark measures fetch throughput only")
     kinds = KINDS[args.backend]
@@ -350,7 +359,7 @@ def main() -> int:
     started = time.perf_counter()
     result: dict = {"benchmark": "remote", "spec": SPEC.describe(), "model": MODEL_ID, "pages": args.pages,
                     "tokens": args.pages * SPEC.page_size, "page_bytes": SPEC.page_bytes, "repeat": args.repeat,
-                    "read_chunk": READ_CHUNK, "socket_read_size": READ_BUFFER,
+                    "busy": args.busy, "read_chunk": READ_CHUNK, "socket_read_size": READ_BUFFER,
                     "hiredis": bool(redis.utils.HIREDIS_AVAILABLE), "redis_py": redis.__version__,
                     "mooncake": mooncake_version(),
                     "statistic": "median GB/s (record bytes / seconds)", "goal_ratio": GOAL_RATIO, "backends": {}}

@@ -98,6 +98,28 @@ def _die_with_parent() -> None:
         pass
 
 
+class BusyCores:
+    """`n` processes that each keep a core busy (a Python loop at the process's priority): a
+    machine whose cores an engine's inference holds. A context manager; stopped on exit."""
+
+    def __init__(self, n: int):
+        self.n, self.procs = n, []
+
+    def __enter__(self) -> "BusyCores":
+        for _ in range(self.n):
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+        self.procs = []
+
+
 # HTTP (the standard library: no threads, nothing else on the timed path)
 def _request(url: str, method: str = "GET", body: dict | None = None,
              timeout: float = 30) -> tuple[dict, float]:

@@ -18,14 +18,14 @@ mooncake://MASTER_HOST:PORT?metadata=URL[&segment=SIZE&buffer=SIZE&protocol=tcp|
   values are read-only views, valid until the thread's next get_many. A write copies into a
   registered area and is one batch_upsert_from (overwriting, as Redis does). Missing keys: None.
 - The library waits up to 30 s for a hung master (~4 s for a gone one), so each call runs on a
-  helper thread (one, kept: the library keeps state per thread; at nice 19 on Linux, as the library
-  polls for a transfer's end on it) waited for at most timeout_s; then RemoteDown (StillLanding
-  for a read: its targets stay the call's), while the call goes on in the background and calls
-  fail at once until it ends. Calls are serialized; a read is queued in the caller's turn and
-  waited for after it, so the next caller's is queued behind it. setup and close hold
-  the GIL (setup: ~90 s with no master; close: ~1 s, ~9 s with it gone, ~90 s with it hung): the
-  master and metadata server must accept a connection within timeout_s before setup, and close
-  leaves open a store whose master does not answer.
+  helper thread (one, kept: the library keeps state per thread; at the process's priority, as the
+  next read starts only once it has seen the last one end) waited for at most timeout_s; then
+  RemoteDown (StillLanding for a read: its targets stay the call's), while the call goes on in
+  the background and calls fail at once until it ends. Calls are serialized; a read is queued in
+  the caller's turn and waited for after it, so the next caller's is queued behind it. setup and
+  close hold the GIL (setup: ~90 s with no master; close: ~1 s, ~9 s with it gone, ~90 s with it
+  hung): the master and metadata server must accept a connection within timeout_s before setup,
+  and close leaves open a store whose master does not answer.
 - The master evicts (eviction_high_watermark_ratio, eviction_ratio) keys not read within
   default_kv_lease_ttl; a write the full store cannot place raises RemoteDown.
 """
@@ -33,10 +33,8 @@ mooncake://MASTER_HOST:PORT?metadata=URL[&segment=SIZE&buffer=SIZE&protocol=tcp|
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -64,7 +62,6 @@ _ALLOWED = ("mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata|P2PH
 _OPTIONS = ("metadata", "segment", "buffer", "protocol", "device", "local")
 _FIRST_SLOT = 1 << 20
 _NOT_FOUND, _TOO_SMALL, _NO_ROOM, _TRANSFER_FAIL = -704, -600, -200, -800
-HELPER_NICE = 19   # the helper thread's nice value on Linux (_Worker)
 log = logging.getLogger("kvstore.remote")
 _LEFT_OPEN: list = []   # backends whose store was not closed: collecting it would close it, holding the GIL
 
@@ -152,11 +149,11 @@ class _Worker:
     keeps state per calling thread, and a fresh thread per call cost a fifth of a read's speed. A
     call that hangs keeps its thread; the backend then starts another for later calls.
 
-    The library waits for a transfer by polling on the calling thread (a core kept busy while its
-    transfer engine's threads move the bytes), so on Linux this thread runs at nice HELPER_NICE:
-    the polling takes only what the transfer threads, the store's own threads (verifying and
-    adopting the pages read before) and an engine beside it leave idle. Measured: remote reads
-    1.07-1.18x as fast on two cores (BENCHMARKS.md), and no core taken from inference while they wait."""
+    The library waits for a transfer by spinning on the calling thread (lock, status, unlock, clock),
+    and the next read (queued behind it) starts only once that spin has seen this one end. So the
+    thread keeps the process's priority: at nice 19 the spin starved on a machine whose cores were
+    busy (inference beside it) and a fetch took 11-18x the client's time; idle, nice 19 was a few
+    per cent faster (BENCHMARKS.md)."""
 
     def __init__(self):
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -175,23 +172,12 @@ class _Worker:
         self.calls.put(None)
 
     def _loop(self) -> None:
-        _poll_politely()
         while (call := self.calls.get()) is not None:
             try:
                 outcome = (True, call.fn(*call.args))
             except Exception as exc:
                 outcome = (False, exc)
             call.finish(outcome)
-
-
-def _poll_politely() -> None:
-    """This thread to nice HELPER_NICE where a nice value is a thread's own (Linux); elsewhere nothing."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HELPER_NICE)
-    except OSError as exc:   # raising one's own nice value is always allowed; a sandbox may refuse it
-        log.debug("the Mooncake helper thread keeps its priority: %s", exc)
 
 
 class _PerThread(threading.local):

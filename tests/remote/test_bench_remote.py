@@ -10,6 +10,7 @@ import math
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,6 +49,7 @@ def run(args: list[str], env: dict[str, str], cwd, timeout: float = 120) -> subp
 
 def check_report(report: dict, kinds: set[str]) -> None:
     assert report["benchmark"] == "remote" and report["pages"] == 8 and report["repeat"] == 1
+    assert report["busy"] in (0, 1)
     assert report["page_bytes"] == 737_280 and report["tokens"] == 8 * 16
     assert report["read_chunk"] == READ_CHUNK and positive(report["socket_read_size"])
     assert set(report["backends"]) == kinds
@@ -79,12 +81,29 @@ def test_report_of_both_redis_backends_mooncake_skipped(tmp_path, hidden_mooncak
     assert list(tmp_path.iterdir()) == []                    # nothing left in the working directory
 
 
+def test_a_negative_busy_count_is_a_one_line_error(tmp_path):
+    r = run(["--busy", "-1"], clean_env(), tmp_path, timeout=60)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.strip().endswith("--busy must be an integer >= 0")
+
+
 def test_mooncake_alone_without_mooncake_is_a_one_line_error(tmp_path, hidden_mooncake):
     r = run(["--backend", "mooncake", *PAGES_ARGS], hidden_mooncake, tmp_path, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bench_remote: Mooncake is not available:"), r.stderr
     assert "hidden by the test" in lines[0]
+
+
+def busy_loops() -> list[str]:
+    """The processes on this machine running BusyCores' loop (read from /proc: Linux)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"while True: pass" in cmdline.read_bytes():
+                found.append(cmdline.parent.name)
+        except OSError:
+            pass
+    return found
 
 
 def ratio_of_rounded(ratio: float, num: float, den: float, half: float = 0.0005) -> bool:
@@ -96,10 +115,12 @@ def ratio_of_rounded(ratio: float, num: float, den: float, half: float = 0.0005)
 
 def test_report_of_mooncake(tmp_path):
     requires(not mooncakeutil.missing(), mooncakeutil.missing())
-    r = run(["--backend", "mooncake", *PAGES_ARGS], clean_env(), tmp_path)
+    r = run(["--backend", "mooncake", "--busy", "1", *PAGES_ARGS], clean_env(), tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)
     check_report(report, {"mooncake"})
+    assert report["busy"] == 1   # measured beside a process that keeps a core busy, stopped at the end
+    assert not busy_loops()
     assert "skipped" not in report and report["mooncake"]
     b = report["backends"]["mooncake"]
     assert b["url"].startswith("mooncake://127.0.0.1:") and b["url"].endswith(f"&segment={b['segment_bytes']}")
