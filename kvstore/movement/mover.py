@@ -189,11 +189,12 @@ class PageMover:
         skipped; those in a slotted tier below warm are copied now."""
         plan = ReadPlan([], [], [], [])
         stage = self.tiers[self.stage]
+        chain = {x.key for x in entries}   # no page of this read is a victim of the room it makes
         for e in entries:
             if e.key not in self.index or self.top in e.where or self.stage in e.where:
                 continue
             src = next(iter(e.where), None)
-            if src is None or not self.make_room(self.stage, 1, {x.key for x in entries}):
+            if src is None or not self.make_room(self.stage, 1, chain):
                 break
             [slot] = stage.alloc(1)
             self.reading.add(slot)
