@@ -1,10 +1,10 @@
 """The compiled CPU backend (`native`): paged_attention.cpp, reading pages where they lie.
 
-The kernel is built for this machine with the system's C++ compiler (`$CXX`, else c++ or g++;
--O3 -march=native -fopenmp) into the user's cache (~/.cache/kvstore/kernels, named by a hash of
-the source, the flags, the compiler and the CPU), by `scripts/bootstrap` or on first use, and
-loaded with ctypes: no PyTorch headers, so a build takes about a second. It runs its OpenMP loop
-in the process's one OpenMP runtime (PyTorch's, loaded first), on torch.get_num_threads() threads.
+The kernel is built for this machine with the system's C++ compiler (-O3 -march=native -fopenmp;
+kvstore.native: cached per source, flags, compiler and CPU), by `scripts/bootstrap` or on first
+use, and loaded with ctypes: no PyTorch headers, so a build takes about a second. It runs its
+OpenMP loop in the process's one OpenMP runtime (PyTorch's, loaded first), on
+torch.get_num_threads() threads.
 
 One call a layer: every sequence of the step (decodes and prefill chunks alike) in one parallel
 loop, K and V read in place from the hot pages (and from warm, for spilled pages), no gather, no
@@ -16,13 +16,7 @@ reference only in the order of floating-point sums (tests hold it to the referen
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,69 +25,22 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.layer_ops import TORCH_OPS
 from kvstore.errors import NotBuilt
-
-log = logging.getLogger("kvstore.engine")
+from kvstore.native import build as native_build
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("layer_ops.cpp"), SOURCE.with_name("linear.cpp"))   # one library
 HEADERS = (SOURCE.with_name("simd.h"),)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c++17")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17")
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 192, 256)
 VERSION = 2   # kv_attention_version() of the source
 
 _lib = None
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(dict.fromkeys(lines))   # the first CPU's lines
-
-
-def library_path(compiler: str) -> Path:
-    """Where the kernel built by this compiler for this CPU lives."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    digest = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(FLAGS).encode(),
-                                        version.encode(),
-                                        _cpu().encode()])).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "kvstore" / "kernels" / f"paged_attention-{digest}.so"
-
-
 def build() -> Path:
     """The kernel's shared library, compiled now unless it already is. NotBuilt when it cannot be."""
-    compiler = _compiler()
-    if compiler is None:
-        raise NotBuilt("the native attention backend needs a C++ compiler (c++, g++ or clang++; or set CXX); "
-                       "use engine.attention_backend: sdpa")
-    path = library_path(compiler)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
-        if done.returncode:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-            raise NotBuilt(f"building the native attention kernel failed ({Path(compiler).name}): {tail[0]}; "
-                           "use engine.attention_backend: sdpa")
-        os.replace(tmp, path)   # atomic: a concurrent build leaves one whole library
-        log.info("built the native attention kernel: %s", path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return native_build("paged_attention", "the native attention kernel", SOURCES, HEADERS, FLAGS,
+                        remedy="use engine.attention_backend: sdpa")
 
 
 def load():

@@ -1,0 +1,79 @@
+"""Small native libraries built for this machine: compiled once with the system's C++ compiler
+(`$CXX`, else c++, g++ or clang++) into the user's cache (~/.cache/kvstore/kernels, named by a
+hash of the sources, the flags, the compiler and the CPU) and loaded with ctypes. No Python or
+PyTorch headers, so a build takes a second or less; `scripts/bootstrap` builds them ahead.
+
+Users: the engine's CPU attention kernels (engine/attention/native.py) and the cold tier's
+checksummed copy (kvstore/pages/native_copy.py). Each says what it falls back to when a build
+cannot be had (NotBuilt, whose message names what is missing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from kvstore.errors import NotBuilt
+
+log = logging.getLogger("kvstore.native")
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with, or None when the machine has none."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(lines))   # the first CPU's lines
+
+
+def library_path(name: str, cxx: str, inputs: Sequence[Path], args: Sequence[str]) -> Path:
+    """Where library `name`, built by `cxx` from `inputs` with `args`, lives for this CPU."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    digest = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in inputs), " ".join(args).encode(),
+                                        version.encode(), _cpu().encode()])).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "kvstore" / "kernels" / f"{name}-{digest}.so"
+
+
+def build(name: str, what: str, sources: Sequence[Path], headers: Sequence[Path] = (),
+          flags: Sequence[str] = (), libs: Sequence[str] = (), remedy: str = "") -> Path:
+    """The shared library `name` (`what` it is, for messages), compiled from `sources` now unless it
+    already is. NotBuilt, naming the cause and then `remedy`, when it cannot be."""
+    cxx = compiler()
+    suffix = f"; {remedy}" if remedy else ""
+    if cxx is None:
+        raise NotBuilt(f"{what} needs a C++ compiler (c++, g++ or clang++; or set CXX){suffix}")
+    args = [*flags, "-fPIC", "-shared"]
+    path = library_path(name, cxx, [*sources, *headers], [*args, *libs])
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *args, "-o", tmp, *map(str, sources), *libs], capture_output=True, text=True)
+        if done.returncode:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            raise NotBuilt(f"building {what} failed ({Path(cxx).name}): {tail[0]}{suffix}")
+        os.replace(tmp, path)   # atomic: a concurrent build leaves one whole library
+        log.info("built %s: %s", what, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
