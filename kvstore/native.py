@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvstore.errors import NotBuilt
 
@@ -77,3 +77,15 @@ def build(name: str, what: str, sources: Sequence[Path], headers: Sequence[Path]
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def report(what: str, built: Callable[[], object]) -> int:
+    """A `python -m` entry point's body: build `what` with `built()` (if needed) and print where it
+    is (0), or why it cannot be had (1)."""
+    try:
+        where = built()
+    except NotBuilt as exc:
+        print(f"{what}: not built: {exc}")
+        return 1
+    print(f"{what}: {where}")
+    return 0

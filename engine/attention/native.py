@@ -25,7 +25,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.layer_ops import TORCH_OPS
 from kvstore.errors import NotBuilt
-from kvstore.native import build as native_build
+from kvstore.native import build as native_build, report
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("layer_ops.cpp"), SOURCE.with_name("linear.cpp"))   # one library
@@ -194,13 +194,7 @@ class NativeBackend(AttentionBackend):
 
 def main() -> int:
     """`python -m engine.attention.native`: build the kernel (if needed) and say where it is."""
-    try:
-        path = build()
-    except NotBuilt as exc:
-        print(f"native attention kernel: not built: {exc}")
-        return 1
-    print(f"native attention kernel: {path}")
-    return 0
+    return report("native attention kernel", build)
 
 
 if __name__ == "__main__":

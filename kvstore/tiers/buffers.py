@@ -113,6 +113,20 @@ def as_byte_array(out) -> np.ndarray:
     return arr
 
 
+def read_target(out, nbytes: int):
+    """`out` checked as a target of `nbytes` bytes to read into: a contiguous CPU tensor as is (its
+    address is data_ptr(): no numpy view to build, a few microseconds a page), anything else as
+    as_byte_array(out). ValueError naming what is wrong."""
+    if isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.is_contiguous():
+        size = out.numel() * out.element_size()
+    else:
+        out = as_byte_array(out)
+        size = out.nbytes
+    if size != nbytes:
+        raise ValueError(f"read target is {size} bytes, a page is {nbytes}")
+    return out
+
+
 class RemapLock:
     """Shared for transactions, exclusive for set_mapsize (which invalidates all of them)."""
 

@@ -45,7 +45,8 @@ class LmdbEnv:
     takes it exclusively, as set_mapsize needs every transaction of this process closed. Write
     transactions run on the writer thread alone, the one that resizes, so they take no lock.
     Opening also reads the totals `meta` records (`recorded`, None when it has none) and LMDB's
-    count of `pages` (`records`). Once `closed` is set, every read raises KVStoreError.
+    count of `pages` (`records`), and opens data.mdb read-only (`data_fd`, None if it cannot be)
+    for reads that copy with pread. Once `closed` is set, every read raises KVStoreError.
     """
 
     def __init__(self, path: str, map_size: int):
@@ -68,6 +69,11 @@ class LmdbEnv:
             raise open_error(path, exc) from None
         self.closed = False
         self._remap = RemapLock()
+        self.psize: int = self.lmdb.stat()["psize"]
+        try:   # for reads of large pages with pread (LmdbReader), beside the map
+            self.data_fd: int | None = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.data_fd = None
 
     def check_open(self) -> None:
         if self.closed:
@@ -100,6 +106,9 @@ class LmdbEnv:
     def close(self) -> None:
         with self._remap.exclusive():
             self.lmdb.close()
+            if self.data_fd is not None:
+                os.close(self.data_fd)
+                self.data_fd = None
 
 
 class Totals:

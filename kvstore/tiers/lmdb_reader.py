@@ -10,6 +10,7 @@ are DiskTier's.
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
@@ -22,11 +23,14 @@ from kvstore.errors import KVStoreError
 from kvstore.pages import record
 from kvstore.pages.record import RecordError, RecordHeader
 from kvstore.pages.spec import KVSpec
-from kvstore.tiers.buffers import MiB, as_byte_array
+from kvstore.tiers.buffers import MiB, read_target
 from kvstore.tiers.lmdb_env import LmdbEnv
+
+log = logging.getLogger("kvstore.store")
 
 _SCAN_CHUNK = 4096              # records read per read transaction in scan() and sizes()
 _READ_GROUP_BYTES = 4 * MiB     # read_many gives a thread at least this many page bytes
+_COPY_BATCH_BYTES = 8 * MiB     # a group's pages copied in one record.copy_payloads call
 K = TypeVar("K", bound=tuple)
 
 
@@ -45,6 +49,7 @@ class LmdbReader:
         self._stats_lock = threading.Lock()
         self._lock = threading.Lock()   # starting the pool against close()
         self._pool: ThreadPoolExecutor | None = None
+        self._from_file = env.data_fd is not None   # pages read with pread (record.copy_payloads)
 
     def read(self, key: bytes, expect_namespace: bytes, expect_tokens: bytes, expect_spec: bytes,
              out) -> bool:
@@ -63,12 +68,7 @@ class LmdbReader:
         zeroed when the checksum of what was copied failed.
         """
         page_bytes = self.spec.page_bytes
-        targets = []
-        for req in requests:
-            arr = as_byte_array(req[4])
-            if arr.nbytes != page_bytes:
-                raise ValueError(f"read target is {arr.nbytes} bytes, a page is {page_bytes}")
-            targets.append(arr)
+        targets = [read_target(req[4], page_bytes) for req in requests]
         per_group = max(1, -(-_READ_GROUP_BYTES // page_bytes))
         groups = min(threads or self.threads, -(-len(requests) // per_group))
         if groups <= 1:
@@ -101,16 +101,50 @@ class LmdbReader:
                                                 thread_name_prefix="kvstore-cold-read")
             return self._pool
 
-    def _read_group(self, requests, targets: list[np.ndarray]) -> list[bool]:
+    def _read_group(self, requests, targets: list) -> list[bool]:
+        """One read transaction, in batches of about _COPY_BATCH_BYTES: each record's header checked
+        here, then the pages of those that pass copied and checksummed in one call
+        (record.copy_payloads, which releases the GIL), while another group's thread checks its
+        next batch's headers."""
+        ok = [False] * len(requests)
+        step = max(1, _COPY_BATCH_BYTES // self.spec.page_bytes)
         with self.env.reading() as txn:
-            return [self._read_one(txn, *req[:4], arr) for req, arr in zip(requests, targets)]
+            for start in range(0, len(requests), step):
+                jobs, where = [], []
+                for i in range(start, min(start + step, len(requests))):
+                    found = self._checked(txn, *requests[i][:4])
+                    if found is not None:
+                        jobs.append((*found, targets[i]))
+                        where.append(i)
+                errors, disagreed = record.copy_payloads(jobs, self._lmdb_file())
+                for i, error in zip(where, errors):
+                    if error is None:
+                        ok[i] = True
+                    else:
+                        self._refused(requests[i][0], error)
+                if disagreed:
+                    self._stop_file_reads(disagreed)
+        return ok
 
-    def _read_one(self, txn, key, expect_namespace, expect_tokens, expect_spec, out: np.ndarray) -> bool:
+    def _lmdb_file(self) -> tuple[int, int] | None:
+        return (self.env.data_fd, self.env.psize) if self._from_file else None
+
+    def _stop_file_reads(self, pages: int) -> None:
+        with self._stats_lock:
+            if not self._from_file:
+                return
+            self._from_file = False
+        log.error("cold store %s: %d page(s) read from data.mdb failed their checksum where the same pages in "
+                  "LMDB's map passed; they were served from the map, and every read copies from the map "
+                  "from now on", self.env.path, pages)
+
+    def _checked(self, txn, key, expect_namespace, expect_tokens, expect_spec):
+        """(record, header) of `key` when its header is the one expected; None (counted) if not."""
         value = txn.get(key)
         if value is None:
             with self._stats_lock:
                 self.missing += 1
-            return False
+            return None
         try:
             header = record.read_header(value)
             if header.key != key:
@@ -121,13 +155,15 @@ class LmdbReader:
                 raise RecordError("tokens differ")
             if header.spec != expect_spec or header.nbytes != self.spec.page_bytes:
                 raise RecordError("page geometry differs")
-            record.copy_payload(value, header, out)   # key derivation; checksum of what it copied
         except RecordError as exc:
-            with self._stats_lock:
-                self.corrupt += 1
-                self.last_error = f"{bytes(key).hex()}: {exc}"
-            return False
-        return True
+            self._refused(key, str(exc))
+            return None
+        return value, header
+
+    def _refused(self, key, why: str) -> None:
+        with self._stats_lock:
+            self.corrupt += 1
+            self.last_error = f"{bytes(key).hex()}: {why}"
 
     def scan(self) -> Iterator[tuple[bytes, RecordHeader | None, int]]:
         """Every record in `pages` as (key, header or None when it does not parse, length).

@@ -1,0 +1,144 @@
+"""The cold tier's checksummed copy in one native call a batch (copy_hash.cpp), where it can be had.
+
+record.copy_payloads hands a batch of records to `copy_hash`: each page is copied out and hashed
+chunk by chunk in C, with the GIL released for the whole batch, so the read threads of a
+`read_many` run side by side instead of taking turns at the interpreter between chunks. xxhash
+itself is the system's libxxhash (a dependency of apt on Debian and Ubuntu; its `_dispatch`
+functions pick AVX2 or AVX-512 at run time), the library is built like the engine's kernels
+(kvstore.native). When either cannot be had, or the native digest of a test buffer differs from
+python-xxhash's, `copier()` is None (one log line says why) and records are copied in Python,
+more slowly, with the same checks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import NotBuilt
+from kvstore.native import build, report
+
+log = logging.getLogger("kvstore.native")
+
+SOURCE = Path(__file__).with_name("copy_hash.cpp")
+FLAGS = ("-O2", "-std=c++17")
+VERSION = 2   # kv_copy_hash_version() of the source
+_FUNCTIONS = ("XXH3_createState", "XXH3_freeState", "XXH3_128bits_reset", "XXH3_128bits_update",
+              "XXH3_128bits_digest")
+
+
+class _XxhFunctions(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("create", "release", "reset", "update", "digest")]
+
+
+class NativeCopy:
+    """copy_hash.cpp loaded, with libxxhash's functions; `copy_hash` is thread-safe."""
+
+    def __init__(self, lib, xxh):
+        self.lib = lib
+        self.xxh = xxh          # kept: its functions are called from C
+        update = getattr(xxh, "XXH3_128bits_update_dispatch", None) or xxh.XXH3_128bits_update
+        fns = [getattr(xxh, name) for name in _FUNCTIONS]
+        fns[3] = update
+        self.functions = _XxhFunctions(*(ctypes.cast(fn, ctypes.c_void_p).value for fn in fns))
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.kv_copy_hash.argtypes = [p, i64, p, p, p, p, i64, i64, p]
+        lib.kv_copy_hash_lmdb.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, p, p, i64, i64, p, p]
+        lib.kv_copy_hash.restype = lib.kv_copy_hash_lmdb.restype = ctypes.c_int
+
+    def copy_hash(self, heads: np.ndarray, head_lens: np.ndarray, srcs: np.ndarray, dsts: np.ndarray,
+                  nbytes: int, chunk: int) -> bytes:
+        """Copy page i (nbytes at address srcs[i]) to dsts[i]; the xxh3-128 digest of head i (address
+        heads[i], head_lens[i] bytes) followed by the copied page, 16 bytes each, in order. The
+        addresses must stay valid (and the targets unshared) until this returns."""
+        n = len(srcs)
+        digests = np.empty(16 * n, np.uint8)
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (heads, head_lens, srcs, dsts)]
+        rc = self.lib.kv_copy_hash(ctypes.addressof(self.functions), n, *(a.ctypes.data for a in arrays),
+                                   nbytes, chunk, digests.ctypes.data)
+        if rc:
+            raise MemoryError("xxhash could not allocate its state")
+        return digests.tobytes()
+
+    def copy_hash_lmdb(self, fd: int, psize: int, values: np.ndarray, heads: np.ndarray, head_lens: np.ndarray,
+                       srcs: np.ndarray, dsts: np.ndarray, nbytes: int, chunk: int) -> tuple[bytes, np.ndarray]:
+        """copy_hash of records that are values in an LMDB map of the file `fd` (page size `psize`;
+        values[i]: where record i starts in the map): a page that lies in LMDB's overflow pages is
+        read from the file (pread), any other from the map. (digests, from_file: a bool per page)."""
+        n = len(srcs)
+        digests = np.empty(16 * n, np.uint8)
+        from_file = np.zeros(n, np.uint8)
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (values, heads, head_lens, srcs, dsts)]
+        rc = self.lib.kv_copy_hash_lmdb(ctypes.addressof(self.functions), fd, psize, n,
+                                        *(a.ctypes.data for a in arrays), nbytes, chunk, digests.ctypes.data,
+                                        from_file.ctypes.data)
+        if rc:
+            raise MemoryError("xxhash could not allocate its state")
+        return digests.tobytes(), from_file.astype(bool)
+
+
+_lock = threading.Lock()
+_copier: NativeCopy | None | bool = False   # False: not tried yet
+why_not = ""                                 # why it is None
+
+
+def copier() -> NativeCopy | None:
+    """The native copy, loaded (and built) on first use; None where it cannot be had."""
+    global _copier, why_not
+    with _lock:
+        if _copier is False:
+            try:
+                _copier = _load()
+            except (NotBuilt, OSError, AttributeError) as exc:
+                why_not = str(exc)
+                log.info("checksummed cold reads run in Python: %s", why_not)
+                _copier = None
+        return _copier
+
+
+def _load() -> NativeCopy:
+    try:
+        xxh = ctypes.CDLL("libxxhash.so.0")
+    except OSError:
+        name = ctypes.util.find_library("xxhash")   # runs ldconfig: only where the usual name is not found
+        if name is None:
+            raise NotBuilt("the system's xxhash library (libxxhash.so.0) is not installed (Debian: libxxhash0)") \
+                from None
+        xxh = ctypes.CDLL(name)
+    lib = ctypes.CDLL(str(build("copy_hash", "the native checksummed copy", [SOURCE], flags=FLAGS)))
+    if lib.kv_copy_hash_version() != VERSION:
+        raise NotBuilt(f"the native checksummed copy is version {lib.kv_copy_hash_version()}, expected {VERSION}")
+    native = NativeCopy(lib, xxh)
+    _self_test(native)
+    return native
+
+
+def _self_test(native: NativeCopy) -> None:
+    """The native digest of a head and a page of odd sizes must be python-xxhash's, and the copy exact."""
+    data = np.frombuffer(xxhash.xxh3_128(b"kvstore").digest() * 4099, np.uint8)   # 65,584 bytes
+    head, page = data[:37], data[37:]
+    out = np.zeros_like(page)
+    digest = native.copy_hash(np.array([head.ctypes.data]), np.array([head.nbytes]), np.array([page.ctypes.data]),
+                              np.array([out.ctypes.data]), page.nbytes, 4096)
+    if digest != xxhash.xxh3_128(data.tobytes()).digest() or not np.array_equal(out, page):
+        raise NotBuilt("the native checksummed copy disagrees with python-xxhash")
+
+
+def main() -> int:
+    """`python -m kvstore.pages.native_copy`: build the library (if needed) and say whether it is used."""
+    def built() -> str:
+        native = copier()
+        if native is None:
+            raise NotBuilt(f"{why_not} (cold reads copy in Python)")
+        return native.lib._name
+    return report("native checksummed copy", built)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
