@@ -20,7 +20,7 @@ import torch
 
 from kvstore.pages.spec import KVSpec
 from kvstore.tiers.base import TIER_BACKENDS, SlotPool, SlotTier, done, runs
-from kvstore.tiers.buffers import copy_bytes_serial, copy_serial
+from kvstore.tiers.buffers import copy_bytes_serial, copy_serial, huge_page_buffer
 from kvstore.tiers.host import HostTier
 
 
@@ -55,8 +55,12 @@ class DeviceTier(SlotTier):
         self.device = torch.device(device)
         self.num_pages = num_pages
         # [layers, 2, pages, page_size, kv_heads, head_dim]
-        self.kv = torch.zeros((spec.num_layers, *spec.layer_shape(num_pages)), dtype=spec.torch_dtype,
-                              device=self.device)
+        shape = (spec.num_layers, *spec.layer_shape(num_pages))
+        if self.device.type == "cpu":   # in huge pages: attention reads it all, fewer TLB misses
+            self.kv = huge_page_buffer(num_pages * spec.page_bytes, zero=True) \
+                .view(spec.torch_dtype).view(shape)
+        else:
+            self.kv = torch.zeros(shape, dtype=spec.torch_dtype, device=self.device)
         self.layers = list(self.kv.unbind(0))
         self.pool = SlotPool(num_pages)
         self.on_cuda = self.device.type == "cuda"

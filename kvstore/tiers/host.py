@@ -6,7 +6,9 @@ same memory as bytes (what the cold tier reads and writes); `buffer` is all of i
 slots then lie `stride` bytes apart, every page 64-byte aligned): a remote read lands a whole
 record there, its head just before its page (kvstore.remote.landing), in one transfer. The buffer is pinned when CUDA is
 present (fast, async DMA to and from the hot tier), and may live in a POSIX shared-memory
-segment so another process (the sidecar's client) can map it.
+segment so another process (the sidecar's client) can map it; else it is in transparent huge
+pages, faulted in by a thread of its own after start (buffers.Populator), so that no request
+pays for a slot's first write.
 
 Rules: a SlotTier (tiers/base.py): slots come from a SlotPool; a slot's bytes are undefined until written. Callers hold
 the store lock while they allocate, free or write slots. A shared segment is named by the
@@ -24,7 +26,7 @@ import torch
 
 from kvstore.pages.spec import KVSpec
 from kvstore.tiers.base import TIER_BACKENDS, SlotPool, SlotTier
-from kvstore.tiers.buffers import as_byte_view, round_up
+from kvstore.tiers.buffers import Populator, as_byte_view, huge_page_buffer, round_up
 
 log = logging.getLogger("kvstore.warm")
 
@@ -44,6 +46,7 @@ class HostTier(SlotTier):
         nbytes = num_slots * self.stride
         self.shm: shared_memory.SharedMemory | None = None
         self._registered_ptr: int | None = None
+        self._populator: Populator | None = None
         if shared and nbytes:
             self.shm = _create_segment(shm_name, nbytes)
             buf = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=nbytes)
@@ -52,7 +55,11 @@ class HostTier(SlotTier):
                 self._registered_ptr = buf.data_ptr()
         else:
             pin = torch.cuda.is_available() if pin is None else pin
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and nbytes > 0)
+            if pin and nbytes:
+                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            else:   # in huge pages, faulted in behind the caller's back (Populator)
+                buf = huge_page_buffer(nbytes)
+                self._populator = Populator(buf, "kvstore-warm-populate")
         self.buffer = buf
         self.raw = buf.view(num_slots, self.stride)[:, head_room:head_room + spec.page_bytes]  # [slots, page_bytes]
         # [slots, layers, 2, page_size, kv_heads, head_dim]
@@ -75,6 +82,8 @@ class HostTier(SlotTier):
             self.raw[s].numpy()[:] = as_byte_view(p)
 
     def close(self) -> None:
+        if self._populator is not None:
+            self._populator.stop()
         self.raw = self.pages = self.buffer = torch.empty(0)
         if self.shm is not None:
             if getattr(self, "_registered_ptr", None):

@@ -115,3 +115,29 @@ def test_tier_copies_start_no_thread_team_on_other_threads():
     before_tier, after_tier, before_torch, after_torch = map(int, out.stdout.split())
     assert after_torch > before_torch, "the detector sees no team from a PyTorch copy on another thread"
     assert after_tier == before_tier
+
+
+def test_host_buffers_lie_in_whole_huge_pages_and_populating_changes_no_byte():
+    """A CPU tier's buffer starts on a 2 MiB boundary (transparent huge pages can back all of it); the
+    warm tier's pages are faulted in by a thread of its own, which leaves every byte as it finds
+    it, slots written while it runs included, and stops when the tier closes."""
+    from kvstore.tiers.buffers import Populator, huge_page_buffer
+    zeroed = huge_page_buffer(5 << 20, zero=True)
+    assert zeroed.data_ptr() % (2 << 20) == 0 and zeroed.numel() == 5 << 20 and not zeroed.any()
+    buf = huge_page_buffer(300 << 20)
+    pattern = torch.arange(256, dtype=torch.uint8).repeat(1 << 12)          # 1 MiB
+    for mib in (0, 70, 299):   # before the populator starts, in its first chunk and in its last
+        buf[mib << 20:(mib + 1) << 20] = pattern
+    populator = Populator(buf, "test-populate")
+    buf[150 << 20:151 << 20] = pattern    # while it runs
+    populator.thread.join(timeout=60)
+    assert not populator.thread.is_alive()
+    for mib in (0, 70, 150, 299):
+        assert torch.equal(buf[mib << 20:(mib + 1) << 20], pattern)
+    spec = KVSpec(4, 4, 64, "float32", 16)   # 128 KiB pages
+    warm = HostTier(spec, 1024, pin=False)
+    assert warm._populator is not None and warm.buffer.data_ptr() % (2 << 20) == 0
+    warm.close()
+    assert warm._populator.stopped.is_set()
+    warm._populator.thread.join(timeout=60)
+    assert not warm._populator.thread.is_alive()
