@@ -424,9 +424,7 @@ class PageMover:
             lower = self.tiers[below]
             self.make_room(below, min(len(want), lower.num_slots), {e.key for e in victims})
             k = min(len(want), lower.pool.num_free)
-            if k:   # in the order of their slots here, so that runs of slots copy as one block each (in
-                # LRU order, a chain's tail first, nearly every run was one page: 680 copies for a
-                # document's 520 pages instead of 8)
+            if k:   # in slot order, runs copy as blocks (in LRU order: 680 copies for 520 pages, not 8)
                 self.copy(sorted(want[:k], key=lambda e: e.where[tier]), tier, below, lower.alloc(k))
         done = [e for e in victims if e.residency > 1]
         dropped = [e for e in victims if drop and e.residency <= 1 and self.droppable(e)]

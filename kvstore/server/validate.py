@@ -41,7 +41,10 @@ def fail(message: str, status: int = 400) -> NoReturn:
 
 
 def error(status: int, message: str, headers: dict | None = None) -> web.Response:
-    return web.json_response({"error": " ".join(message.split())}, status=status, headers=headers)
+    """{"error": message} on one line: its lines joined by a space (a field named in the message, JSON
+    quoted, keeps its spaces: collapsing every run of them misnamed a field of two spaces)."""
+    one_line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    return web.json_response({"error": one_line}, status=status, headers=headers)
 
 
 def short(value: Any, limit: int = 40) -> str:
