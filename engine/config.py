@@ -29,6 +29,8 @@ class EngineConfig:
     max_batch_tokens: int = opt(8192, _int, "an integer >= 1", lambda v: v >= 1)
     prefill_chunk_tokens: int = opt(512, _int, "an integer >= 1", lambda v: v >= 1)
     prefill_concurrency: int = opt(4, _int, "an integer >= 1", lambda v: v >= 1)
+    prefill_alone_tokens: int = opt(2048, _int, "an integer >= 0 (0: off; on the CPU, a step computes at most one "
+                                    "prefill of a prompt this long)", lambda v: v >= 0)
     decode_concurrency: int = opt(64, _int, "an integer >= 1", lambda v: v >= 1)
     share_across_tenants: bool = opt(False, _bool, "true or false")
     seed: int = opt(0, _int, "an integer (seeds the random weights of presets)")

@@ -3,8 +3,8 @@
 A request moves WAITING -> (LOADING ->) RUNNING -> FINISHED; preemption sends it back to WAITING.
 Each step: loads that are done (or, under prefetch.policy `timeout`, too slow) go back to waiting;
 running requests decode (one token each, up to decode_concurrency), then compute prefill chunks;
-waiting ones are admitted in order (engine.admission) while the token budget and prefill_concurrency
-allow. A batch holds a request once; one preempted in a step is not scheduled again in it.
+waiting ones are admitted in order (engine.admission) while the token budget and the step's
+prefills (admission.StepPrefills) allow. A batch holds a request once; one preempted in a step is not scheduled again in it.
 
 A running request that cannot get a page preempts the lowest-priority, latest running request (possibly
 itself): its full pages are committed and released (they stay cached) and it is requeued, to resume from
@@ -118,15 +118,15 @@ class Scheduler:
             if len(self._batch) >= self.engine_cfg.decode_concurrency or self._budget < 1:
                 break
             self._continue(req, 1)
-        prefilling = 0
+        prefills = self.admission.step_prefills()   # a cap, and one long prompt at most on the CPU
         for req in ordered:
             if (req.status is not Status.RUNNING or req.pending <= 1 or req in self._batch or self._budget < 1
-                    or prefilling >= self.engine_cfg.prefill_concurrency):
+                    or prefills.full(req)):
                 continue
             self._continue(req, self.admission.chunk(req, self._budget))
-            prefilling += req in self._batch
+            prefills.add(req, req in self._batch)
         self.waiting.sort(key=self._order)
-        while self.waiting and self._budget > 0 and prefilling < self.engine_cfg.prefill_concurrency:
+        while self.waiting and self._budget > 0 and not prefills.full(self.waiting[0]):
             req = self.current = self.waiting[0]
             if req.preempted_step == self.step_no:
                 break   # it keeps its place; nothing behind it jumps the queue this step
@@ -137,7 +137,7 @@ class Scheduler:
                 self._move(req, Status.RUNNING)
                 self._batch[req] = n
                 self._budget -= n
-                prefilling += 1
+                prefills.add(req)
             elif self.cfg.policy == "preemptive" and (lower := [r for r in self.running if r.priority < req.priority]):
                 self.preempt(max(lower, key=self._order))
             else:
