@@ -21,7 +21,7 @@ struct XxhFunctions {                          // XXH3_createState and friends
     Hash128 (*digest)(const void*);
 };
 
-int kv_copy_hash_version() { return 2; }
+int kv_copy_hash_version() { return 3; }
 
 static void put_digest(Hash128 h, unsigned char* out) {   // xxhash's canonical form
     for (int b = 0; b < 8; ++b) {
@@ -44,34 +44,14 @@ static int64_t lmdb_value_offset(const unsigned char* value, int64_t psize) {
     return (flags & 4) ? (int64_t)(pgno * (uint64_t)psize) + 16 : -1;
 }
 
-// Record i: head heads[i] (head_lens[i] bytes), page srcs[i] (nbytes) copied to dsts[i]; its digest,
-// in xxhash's canonical form (big-endian high then low half), into digests[16 * i]. 0, or -1 when
-// xxhash could not allocate its state (nothing copied).
-int kv_copy_hash(const XxhFunctions* x, int64_t n, const unsigned char* const* heads, const int64_t* head_lens,
-                 const unsigned char* const* srcs, unsigned char* const* dsts, int64_t nbytes, int64_t chunk,
-                 unsigned char* digests) {
-    void* state = x->create();
-    if (!state) return -1;
-    for (int64_t i = 0; i < n; ++i) {
-        x->reset(state);
-        x->update(state, heads[i], (size_t)head_lens[i]);
-        for (int64_t a = 0; a < nbytes; a += chunk) {
-            size_t len = (size_t)(nbytes - a < chunk ? nbytes - a : chunk);
-            memcpy(dsts[i] + a, srcs[i] + a, len);
-            x->update(state, dsts[i] + a, len);
-        }
-        put_digest(x->digest(state), digests + 16 * i);
-    }
-    x->release(state);
-    return 0;
-}
-
-// kv_copy_hash of records that are values in an LMDB map of the file `fd` (values[i]: where record i
-// starts in the map; its page is at srcs[i]): a page in overflow pages is read from the file with
-// pread, the kernel's copy out of the page cache (no page faults on the map, no TLB misses on its
-// 4 KiB pages), each chunk hashed after it landed; any other page, or the rest of one whose pread
-// came up short, is copied from the map. from_file[i]: 1 where page i came from the file.
-int kv_copy_hash_lmdb(const XxhFunctions* x, int fd, int64_t psize, int64_t n, const unsigned char* const* values,
+// Record i starts at values[i]: its head heads[i] (head_lens[i] bytes), its page srcs[i] (nbytes),
+// copied to dsts[i]; its digest, in xxhash's canonical form, into digests[16 * i]. With fd >= 0 the
+// records are values in an LMDB map of that file (page size psize): a page in overflow pages is read
+// from the file with pread, the kernel's copy out of the page cache (no page faults on the map, no
+// TLB misses on its 4 KiB pages), each chunk hashed after it landed; any other page, the rest of one
+// whose pread came up short, and every page when fd < 0, is copied from the map. from_file[i]: 1
+// where page i came from the file. 0, or -1 when xxhash could not allocate its state (nothing copied).
+int kv_copy_hash(const XxhFunctions* x, int fd, int64_t psize, int64_t n, const unsigned char* const* values,
                       const unsigned char* const* heads, const int64_t* head_lens,
                       const unsigned char* const* srcs, unsigned char* const* dsts, int64_t nbytes, int64_t chunk,
                       unsigned char* digests, unsigned char* from_file) {
@@ -80,7 +60,7 @@ int kv_copy_hash_lmdb(const XxhFunctions* x, int fd, int64_t psize, int64_t n, c
     for (int64_t i = 0; i < n; ++i) {
         x->reset(state);
         x->update(state, heads[i], (size_t)head_lens[i]);
-        int64_t offset = lmdb_value_offset(values[i], psize);
+        int64_t offset = fd >= 0 ? lmdb_value_offset(values[i], psize) : -1;
         if (offset >= 0) offset += srcs[i] - values[i];
         from_file[i] = offset >= 0;
         for (int64_t a = 0; a < nbytes; a += chunk) {

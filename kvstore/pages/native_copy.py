@@ -28,7 +28,7 @@ log = logging.getLogger("kvstore.native")
 
 SOURCE = Path(__file__).with_name("copy_hash.cpp")
 FLAGS = ("-O2", "-std=c++17")
-VERSION = 2   # kv_copy_hash_version() of the source
+VERSION = 3   # kv_copy_hash_version() of the source
 _FUNCTIONS = ("XXH3_createState", "XXH3_freeState", "XXH3_128bits_reset", "XXH3_128bits_update",
               "XXH3_128bits_digest")
 
@@ -48,36 +48,24 @@ class NativeCopy:
         fns[3] = update
         self.functions = _XxhFunctions(*(ctypes.cast(fn, ctypes.c_void_p).value for fn in fns))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.kv_copy_hash.argtypes = [p, i64, p, p, p, p, i64, i64, p]
-        lib.kv_copy_hash_lmdb.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, p, p, i64, i64, p, p]
-        lib.kv_copy_hash.restype = lib.kv_copy_hash_lmdb.restype = ctypes.c_int
+        lib.kv_copy_hash.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, p, p, i64, i64, p, p]
+        lib.kv_copy_hash.restype = ctypes.c_int
 
-    def copy_hash(self, heads: np.ndarray, head_lens: np.ndarray, srcs: np.ndarray, dsts: np.ndarray,
-                  nbytes: int, chunk: int) -> bytes:
-        """Copy page i (nbytes at address srcs[i]) to dsts[i]; the xxh3-128 digest of head i (address
-        heads[i], head_lens[i] bytes) followed by the copied page, 16 bytes each, in order. The
-        addresses must stay valid (and the targets unshared) until this returns."""
-        n = len(srcs)
-        digests = np.empty(16 * n, np.uint8)
-        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (heads, head_lens, srcs, dsts)]
-        rc = self.lib.kv_copy_hash(ctypes.addressof(self.functions), n, *(a.ctypes.data for a in arrays),
-                                   nbytes, chunk, digests.ctypes.data)
-        if rc:
-            raise MemoryError("xxhash could not allocate its state")
-        return digests.tobytes()
-
-    def copy_hash_lmdb(self, fd: int, psize: int, values: np.ndarray, heads: np.ndarray, head_lens: np.ndarray,
-                       srcs: np.ndarray, dsts: np.ndarray, nbytes: int, chunk: int) -> tuple[bytes, np.ndarray]:
-        """copy_hash of records that are values in an LMDB map of the file `fd` (page size `psize`;
-        values[i]: where record i starts in the map): a page that lies in LMDB's overflow pages is
-        read from the file (pread), any other from the map. (digests, from_file: a bool per page)."""
+    def copy_hash(self, values: np.ndarray, heads: np.ndarray, srcs: np.ndarray, dsts: np.ndarray, nbytes: int,
+                  chunk: int, lmdb_file: tuple[int, int] | None = None) -> tuple[bytes, np.ndarray]:
+        """Copy page i (nbytes at address srcs[i]) to dsts[i]; returns the xxh3-128 digest of each
+        record's head (heads[i] up to srcs[i]) and copied page, 16 bytes each, and whether each page
+        came from the file: with `lmdb_file` (fd, page size) the records are values in an LMDB map
+        of that file (values[i]: where record i starts), and a page in LMDB's overflow pages is read
+        from the file (pread), any other from the map. The addresses must stay valid (and the
+        targets unshared) until this returns."""
         n = len(srcs)
         digests = np.empty(16 * n, np.uint8)
         from_file = np.zeros(n, np.uint8)
-        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (values, heads, head_lens, srcs, dsts)]
-        rc = self.lib.kv_copy_hash_lmdb(ctypes.addressof(self.functions), fd, psize, n,
-                                        *(a.ctypes.data for a in arrays), nbytes, chunk, digests.ctypes.data,
-                                        from_file.ctypes.data)
+        fd, psize = lmdb_file or (-1, 0)
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (values, heads, srcs - heads, srcs, dsts)]
+        rc = self.lib.kv_copy_hash(ctypes.addressof(self.functions), fd, psize, n, *(a.ctypes.data for a in arrays),
+                                   nbytes, chunk, digests.ctypes.data, from_file.ctypes.data)
         if rc:
             raise MemoryError("xxhash could not allocate its state")
         return digests.tobytes(), from_file.astype(bool)
@@ -124,8 +112,8 @@ def _self_test(native: NativeCopy) -> None:
     data = np.frombuffer(xxhash.xxh3_128(b"kvstore").digest() * 4099, np.uint8)   # 65,584 bytes
     head, page = data[:37], data[37:]
     out = np.zeros_like(page)
-    digest = native.copy_hash(np.array([head.ctypes.data]), np.array([head.nbytes]), np.array([page.ctypes.data]),
-                              np.array([out.ctypes.data]), page.nbytes, 4096)
+    at = np.array([head.ctypes.data])
+    digest, _ = native.copy_hash(at, at, at + head.nbytes, np.array([out.ctypes.data]), page.nbytes, 4096)
     if digest != xxhash.xxh3_128(data.tobytes()).digest() or not np.array_equal(out, page):
         raise NotBuilt("the native checksummed copy disagrees with python-xxhash")
 

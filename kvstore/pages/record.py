@@ -28,7 +28,7 @@ from kvstore.pages.keys import KEY_BYTES, chain_key
 MAGIC = b"KVP1"
 _PREFIX = struct.Struct("<4s16sI")  # magic, checksum, header length
 PREFIX_BYTES = _PREFIX.size
-_COPY_CHUNK = 256 * 1024   # copy_payload hashes what it copied in chunks that stay in L2 cache
+_COPY_CHUNK = 256 * 1024   # copies hash what they copied in chunks that stay in L2 cache
 _KEY_MISMATCH = "key is not the chain hash of its namespace, parent and tokens"
 _CHECKSUM_MISMATCH = "checksum mismatch"
 _PAGE_ALIGN, _PAGE_PHASE = 64, 48   # where the page starts in a record: 48 bytes past a cache line
@@ -102,16 +102,11 @@ def read_header(record) -> RecordHeader:
     return header
 
 
-def copy_payload(record, header: RecordHeader, out: np.ndarray) -> None:
-    """Copy the payload of a record whose header `read_header` parsed into `out` (a flat
-    uint8 array of header.nbytes), verifying key derivation and checksum on the way.
-
-    One pass over memory: each chunk is hashed right after it is copied, while it is still
-    in cache, so the checksum covers exactly the bytes delivered. On a mismatch `out` is
-    zeroed before RecordError is raised: no byte of a damaged record is left in it.
-    """
-    if not header.key_matches():
-        raise RecordError(_KEY_MISMATCH)
+def _copy_checked(record, header: RecordHeader, out: np.ndarray) -> bool:
+    """The page of a record whose header `read_header` parsed, copied into `out` (a flat uint8 array of
+    header.nbytes) in Python: one pass over memory, each chunk hashed right after it is copied,
+    while it is still in cache, so the checksum covers exactly the bytes delivered. False (out
+    zeroed: no byte of a damaged record is left in it) when the checksum does not hold."""
     mv = memoryview(record)
     _, checksum, _ = _PREFIX.unpack_from(mv)
     start = len(mv) - header.nbytes
@@ -123,13 +118,15 @@ def copy_payload(record, header: RecordHeader, out: np.ndarray) -> None:
         h.update(chunk)
     if h.digest() != checksum:
         out.fill(0)
-        raise RecordError(_CHECKSUM_MISMATCH)
+        return False
+    return True
 
 
 def copy_payloads(jobs: Sequence[tuple[object, RecordHeader, object]],
                   lmdb_file: tuple[int, int] | None = None) -> tuple[list[str | None], int]:
-    """copy_payload of each (record, header whose read_header parsed it, out: a flat uint8 array or a
-    contiguous CPU tensor of header.nbytes). Returns (for each job None where its page was copied,
+    """The page of each (record, header whose read_header parsed it, out: a flat uint8 array or a
+    contiguous CPU tensor of header.nbytes) copied out, its key derivation and the checksum of the
+    bytes copied verified. Returns (for each job None where its page was copied,
     else why it was refused, its out zeroed when the checksum failed, untouched when the key
     derivation did; how many pages the file gave wrong and the map right).
 
@@ -139,22 +136,13 @@ def copy_payloads(jobs: Sequence[tuple[object, RecordHeader, object]],
     file (NativeCopy.copy_hash_lmdb); a page whose checksum fails from the file is copied again from
     the map before it is refused. The records must stay valid (an LMDB read transaction open) until
     this returns."""
-    errors: list[str | None] = [None] * len(jobs)
+    errors: list[str | None] = [_KEY_MISMATCH if not header.key_matches() else None for _, header, _ in jobs]
+    todo = [i for i, e in enumerate(errors) if e is None]
     native = native_copy.copier()
-    if native is None or not jobs:
-        for i, (rec, header, out) in enumerate(jobs):
-            try:
-                copy_payload(rec, header, _byte_array(out))
-            except RecordError as exc:
-                errors[i] = str(exc)
-        return errors, 0
-    todo = []
-    for i, (rec, header, out) in enumerate(jobs):
-        if header.key_matches():
-            todo.append(i)
-        else:
-            errors[i] = _KEY_MISMATCH
-    if not todo:
+    if native is None or not todo:
+        for i in todo:
+            if not _copy_checked(jobs[i][0], jobs[i][1], _byte_array(jobs[i][2])):
+                errors[i] = _CHECKSUM_MISMATCH
         return errors, 0
     nbytes = jobs[todo[0]][1].nbytes
     if any(jobs[i][1].nbytes != nbytes for i in todo):
@@ -163,19 +151,15 @@ def copy_payloads(jobs: Sequence[tuple[object, RecordHeader, object]],
     srcs = values + np.array([len(jobs[i][0]) for i in todo], np.int64) - nbytes
     heads = values + (PREFIX_BYTES - 4)
     dsts = np.array([_address(jobs[i][2]) for i in todo], np.int64)
-    if lmdb_file is None:
-        digests, from_file = native.copy_hash(heads, srcs - heads, srcs, dsts, nbytes, _COPY_CHUNK), None
-    else:
-        digests, from_file = native.copy_hash_lmdb(*lmdb_file, values, heads, srcs - heads, srcs, dsts, nbytes,
-                                                   _COPY_CHUNK)
+    digests, from_file = native.copy_hash(values, heads, srcs, dsts, nbytes, _COPY_CHUNK, lmdb_file)
     disagreed = 0
     for k, i in enumerate(todo):
         checksum = bytes(memoryview(jobs[i][0])[4:20])
         if digests[16 * k:16 * k + 16] == checksum:
             continue
-        if from_file is not None and from_file[k]:
+        if from_file[k]:   # once more from the map: a page the file gives wrong is not yet damaged
             one = slice(k, k + 1)
-            if native.copy_hash(heads[one], (srcs - heads)[one], srcs[one], dsts[one], nbytes, _COPY_CHUNK) == checksum:
+            if native.copy_hash(values[one], heads[one], srcs[one], dsts[one], nbytes, _COPY_CHUNK)[0] == checksum:
                 disagreed += 1
                 continue
         _byte_array(jobs[i][2]).fill(0)

@@ -56,7 +56,7 @@ class DeviceTier(SlotTier):
         self.num_pages = num_pages
         # [layers, 2, pages, page_size, kv_heads, head_dim]
         shape = (spec.num_layers, *spec.layer_shape(num_pages))
-        if self.device.type == "cpu":   # in huge pages: attention reads it all, fewer TLB misses
+        if self.device.type == "cpu":   # zeroed at start, in huge pages as warm is
             self.kv = huge_page_buffer(num_pages * spec.page_bytes, zero=True) \
                 .view(spec.torch_dtype).view(shape)
         else:
