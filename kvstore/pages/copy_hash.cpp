@@ -3,7 +3,7 @@
 // For each record: the xxh3-128 of its head (the bytes between the checksum and the page), then its
 // page copied out chunk by chunk, each chunk hashed right after it is copied, while it is still in
 // cache, so that the digest covers exactly the bytes delivered. xxhash's functions come from the
-// caller (libxxhash, found at run time), so this library links nothing and builds anywhere.
+// caller (python-xxhash's, or libxxhash, found at run time), so this library links nothing and builds anywhere.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

@@ -3,11 +3,13 @@
 record.copy_payloads hands a batch of records to `copy_hash`: each page is copied out and hashed
 chunk by chunk in C, with the GIL released for the whole batch, so the read threads of a
 `read_many` run side by side instead of taking turns at the interpreter between chunks. xxhash
-itself is the system's libxxhash (a dependency of apt on Debian and Ubuntu; its `_dispatch`
-functions pick AVX2 or AVX-512 at run time), the library is built like the engine's kernels
-(kvstore.native). When either cannot be had, or the native digest of a test buffer differs from
-python-xxhash's, `copier()` is None (one log line says why) and records are copied in Python,
-more slowly, with the same checks.
+itself is the one python-xxhash carries (its extension module exports xxhash's C functions; its
+`_dispatch` ones pick AVX2 or AVX-512 at run time): 1.4x the speed of the system's libxxhash
+0.8.1 on a page in L2 cache (BENCHMARKS.md), and always there. Where that module does not export
+them, the system's libxxhash (a dependency of apt on Debian and Ubuntu) is used. The library is
+built like the engine's kernels (kvstore.native). When neither xxhash nor a compiler can be had, or
+the native digest of a test buffer differs from python-xxhash's, `copier()` is None (one log line
+says why) and records are copied in Python, more slowly, with the same checks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
+import xxhash._xxhash  # noqa: F401 - its file is where xxhash's C functions are
 
 from kvstore.errors import NotBuilt
 from kvstore.native import build, report
@@ -38,7 +41,7 @@ class _XxhFunctions(ctypes.Structure):
 
 
 class NativeCopy:
-    """copy_hash.cpp loaded, with libxxhash's functions; `copy_hash` is thread-safe."""
+    """copy_hash.cpp loaded, with xxhash's C functions; `copy_hash` is thread-safe."""
 
     def __init__(self, lib, xxh):
         self.lib = lib
@@ -90,15 +93,27 @@ def copier() -> NativeCopy | None:
         return _copier
 
 
-def _load() -> NativeCopy:
+def _xxhash_library() -> ctypes.CDLL:
+    """python-xxhash's extension module where it exports xxhash's functions, else the system's libxxhash."""
     try:
-        xxh = ctypes.CDLL("libxxhash.so.0")
+        own = ctypes.CDLL(xxhash._xxhash.__file__)   # loaded already: this only looks its symbols up
+        for name in (*_FUNCTIONS, "XXH3_128bits_update_dispatch"):
+            getattr(own, name)
+        return own
+    except (OSError, AttributeError):
+        pass
+    try:
+        return ctypes.CDLL("libxxhash.so.0")
     except OSError:
         name = ctypes.util.find_library("xxhash")   # runs ldconfig: only where the usual name is not found
         if name is None:
-            raise NotBuilt("the system's xxhash library (libxxhash.so.0) is not installed (Debian: libxxhash0)") \
-                from None
-        xxh = ctypes.CDLL(name)
+            raise NotBuilt("python-xxhash exports no xxhash functions and the system's xxhash library "
+                           "(libxxhash.so.0) is not installed (Debian: libxxhash0)") from None
+        return ctypes.CDLL(name)
+
+
+def _load() -> NativeCopy:
+    xxh = _xxhash_library()
     lib = ctypes.CDLL(str(build("copy_hash", "the native checksummed copy", [SOURCE], flags=FLAGS)))
     if lib.kv_copy_hash_version() != VERSION:
         raise NotBuilt(f"the native checksummed copy is version {lib.kv_copy_hash_version()}, expected {VERSION}")
