@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
-import xxhash._xxhash  # noqa: F401 - its file is where xxhash's C functions are
 
 from kvstore.errors import NotBuilt
 from kvstore.native import build, report
@@ -96,11 +95,12 @@ def copier() -> NativeCopy | None:
 def _xxhash_library() -> ctypes.CDLL:
     """python-xxhash's extension module where it exports xxhash's functions, else the system's libxxhash."""
     try:
-        own = ctypes.CDLL(xxhash._xxhash.__file__)   # loaded already: this only looks its symbols up
+        from xxhash import _xxhash   # python-xxhash's extension module
+        own = ctypes.CDLL(_xxhash.__file__)   # loaded already: this only looks its symbols up
         for name in (*_FUNCTIONS, "XXH3_128bits_update_dispatch"):
             getattr(own, name)
         return own
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError):
         pass
     try:
         return ctypes.CDLL("libxxhash.so.0")
