@@ -113,8 +113,9 @@ def test_tier_copies_start_no_thread_team_on_other_threads():
     out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     before_tier, after_tier, before_torch, after_torch = map(int, out.stdout.split())
-    assert after_torch > before_torch, "the detector sees no team from a PyTorch copy on another thread"
-    assert after_tier == before_tier
+    counts = f"threads before/after the tier's copies {before_tier}/{after_tier}, PyTorch's {before_torch}/{after_torch}"
+    assert after_torch > before_torch, f"the detector sees no team from a PyTorch copy on another thread: {counts}"
+    assert after_tier == before_tier, counts
 
 
 def test_host_buffers_lie_in_whole_huge_pages_and_populating_changes_no_byte():
