@@ -1,9 +1,12 @@
 """The cold tier's checksummed copy in one native call a batch (copy_hash.cpp), where it can be had.
 
-record.copy_payloads hands a batch of records to `copy_hash`: each page is copied out and hashed
-chunk by chunk in C, with the GIL released for the whole batch, so the read threads of a
-`read_many` run side by side instead of taking turns at the interpreter between chunks. xxhash
-itself is the one python-xxhash carries (its extension module exports xxhash's C functions; its
+record.copy_payloads hands a batch of records to `copy_hash`, which copies each page out and
+hashes it in C, with the GIL released for the whole batch, so the read threads of a `read_many`
+run side by side instead of taking turns at the interpreter between chunks. On x86-64 with
+AVX-512 a record is read once: each 64-byte stripe is loaded into a register, hashed there (xxh3
+computed in copy_hash.cpp) and written to the target from it with non-temporal stores
+(BENCHMARKS.md: "One pass"). Elsewhere the page is copied chunk by chunk, each chunk hashed
+right after it landed, with xxhash's own functions: the ones python-xxhash carries (its extension module exports xxhash's C functions; its
 `_dispatch` ones pick AVX2 or AVX-512 at run time): 1.4x the speed of the system's libxxhash
 0.8.1 on a page in L2 cache (BENCHMARKS.md), and always there. Where that module does not export
 them, the system's libxxhash (a dependency of apt on Debian and Ubuntu) is used. The library is
@@ -30,7 +33,7 @@ log = logging.getLogger("kvstore.native")
 
 SOURCE = Path(__file__).with_name("copy_hash.cpp")
 FLAGS = ("-O2", "-std=c++17")
-VERSION = 3   # kv_copy_hash_version() of the source
+VERSION = 4   # kv_copy_hash_version() of the source
 _FUNCTIONS = ("XXH3_createState", "XXH3_freeState", "XXH3_128bits_reset", "XXH3_128bits_update",
               "XXH3_128bits_digest")
 
@@ -50,28 +53,34 @@ class NativeCopy:
         fns[3] = update
         self.functions = _XxhFunctions(*(ctypes.cast(fn, ctypes.c_void_p).value for fn in fns))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.kv_copy_hash.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, p, p, i64, i64, p, p]
+        lib.kv_copy_hash.argtypes = [p, ctypes.c_int, ctypes.c_int, i64, i64, p, p, p, p, p, i64, i64, p, p]
         lib.kv_copy_hash.restype = ctypes.c_int
+        self.fused = bool(lib.kv_copy_hash_fused_available())   # this CPU can read records in one pass
 
     def copy_hash(self, values: np.ndarray, heads: np.ndarray, srcs: np.ndarray, dsts: np.ndarray, nbytes: int,
-                  chunk: int, lmdb_file: tuple[int, int] | None = None) -> tuple[bytes, np.ndarray]:
+                  chunk: int, lmdb_file: tuple[int, int] | None = None, fused: bool = True) -> tuple[bytes, np.ndarray]:
         """Copy page i (nbytes at address srcs[i]) to dsts[i]; returns the xxh3-128 digest of each
-        record's head (heads[i] up to srcs[i]) and copied page, 16 bytes each, and whether each page
-        came from the file: with `lmdb_file` (fd, page size) the records are values in an LMDB map
-        of that file (values[i]: where record i starts), and a page in LMDB's overflow pages is read
-        from the file (pread), any other from the map. The addresses must stay valid (and the
-        targets unshared) until this returns."""
+        record's head (heads[i] up to srcs[i]) and copied page, 16 bytes each, and how each page was
+        read (READ_FUSED, READ_FILE or READ_MAP). With `fused` (and self.fused), a record whose head
+        and page are contiguous, bound for a 64-byte aligned target, is read in one pass. Any other
+        page is copied in chunks of `chunk` bytes: with `lmdb_file` (fd, page size) the records are
+        values in an LMDB map of that file (values[i]: where record i starts), and a page in LMDB's
+        overflow pages is read from the file (pread), any other from the map. The addresses must
+        stay valid (and the targets unshared) until this returns."""
         n = len(srcs)
         digests = np.empty(16 * n, np.uint8)
-        from_file = np.zeros(n, np.uint8)
+        how = np.zeros(n, np.uint8)
         fd, psize = lmdb_file or (-1, 0)
         arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (values, heads, srcs - heads, srcs, dsts)]
-        rc = self.lib.kv_copy_hash(ctypes.addressof(self.functions), fd, psize, n, *(a.ctypes.data for a in arrays),
-                                   nbytes, chunk, digests.ctypes.data, from_file.ctypes.data)
+        rc = self.lib.kv_copy_hash(ctypes.addressof(self.functions), int(fused and self.fused), fd, psize, n,
+                                   *(a.ctypes.data for a in arrays), nbytes, chunk, digests.ctypes.data,
+                                   how.ctypes.data)
         if rc:
             raise MemoryError("xxhash could not allocate its state")
-        return digests.tobytes(), from_file.astype(bool)
+        return digests.tobytes(), how
 
+
+READ_MAP, READ_FILE, READ_FUSED = 0, 1, 2   # how copy_hash read a page
 
 _lock = threading.Lock()
 _copier: NativeCopy | None | bool = False   # False: not tried yet
@@ -122,15 +131,38 @@ def _load() -> NativeCopy:
     return native
 
 
+# (head, page) byte counts the self-test reads both ways: heads across a stripe's alignments (a
+# multiple of 4 and not), pages of whole stripes and not, from the smallest the one pass takes.
+SELF_TEST_SIZES = ((37, 65_547), (0, 4096), (64, 4096), (4, 128), (63, 129), (100, 1000), (130, 193), (5, 1024 - 5),
+                   (200, 2048 - 200 + 1), (36, 737_280))
+
+
 def _self_test(native: NativeCopy) -> None:
-    """The native digest of a head and a page of odd sizes must be python-xxhash's, and the copy exact."""
-    data = np.frombuffer(xxhash.xxh3_128(b"kvstore").digest() * 4099, np.uint8)   # 65,584 bytes
-    head, page = data[:37], data[37:]
-    out = np.zeros_like(page)
-    at = np.array([head.ctypes.data])
-    digest, _ = native.copy_hash(at, at, at + head.nbytes, np.array([out.ctypes.data]), page.nbytes, 4096)
-    if digest != xxhash.xxh3_128(data.tobytes()).digest() or not np.array_equal(out, page):
-        raise NotBuilt("the native checksummed copy disagrees with python-xxhash")
+    """The native digest of a head and a page of each SELF_TEST_SIZES must be python-xxhash's, and the
+    copy exact and within its target, read in chunks and (where this CPU can) in one pass."""
+    for head_bytes, page_bytes in SELF_TEST_SIZES:
+        for fused in (False, True) if native.fused else (False,):
+            if not check_copy(native, head_bytes, page_bytes, fused):
+                raise NotBuilt(f"the native checksummed copy disagrees with python-xxhash "
+                               f"({'one pass' if fused else 'chunked'}, {head_bytes} + {page_bytes} bytes)")
+
+
+def check_copy(native: NativeCopy, head_bytes: int, page_bytes: int, fused: bool) -> bool:
+    """Whether copy_hash of a record of a head_bytes head and a page_bytes page (test data) gives
+    python-xxhash's digest and an exact copy, into a 64-byte aligned target, nothing written past it;
+    and, with `fused` (where this CPU can), whether it was read in one pass where it fits one."""
+    data = np.frombuffer(xxhash.xxh3_128(f"kvstore {head_bytes} {page_bytes}".encode()).digest()
+                         * (-(-(head_bytes + page_bytes) // 16)), np.uint8)[:head_bytes + page_bytes]
+    room = np.full(page_bytes + 192, 0xA5, np.uint8)
+    start = -room.ctypes.data % 64
+    out = room[start:start + page_bytes]
+    at = np.array([data.ctypes.data])
+    digest, how = native.copy_hash(at, at, at + head_bytes, np.array([out.ctypes.data]), page_bytes, 4096,
+                                   fused=fused)
+    one_pass = fused and native.fused and page_bytes >= 128 and head_bytes + page_bytes > 240
+    return (digest == xxhash.xxh3_128(data.tobytes()).digest() and np.array_equal(out, data[head_bytes:])
+            and not (room[:start] != 0xA5).any() and not (room[start + page_bytes:] != 0xA5).any()
+            and (how[0] == READ_FUSED) == one_pass)
 
 
 def main() -> int:

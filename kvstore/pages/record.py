@@ -123,7 +123,7 @@ def _copy_checked(record, header: RecordHeader, out: np.ndarray) -> bool:
 
 
 def copy_payloads(jobs: Sequence[tuple[object, RecordHeader, object]],
-                  lmdb_file: tuple[int, int] | None = None) -> tuple[list[str | None], int]:
+                  lmdb_file: tuple[int, int] | None = None, fused: bool = True) -> tuple[list[str | None], int]:
     """The page of each (record, header whose read_header parsed it, out: a flat uint8 array or a
     contiguous CPU tensor of header.nbytes) copied out, its key derivation and the checksum of the
     bytes copied verified. Returns (for each job None where its page was copied,
@@ -131,10 +131,11 @@ def copy_payloads(jobs: Sequence[tuple[object, RecordHeader, object]],
     derivation did; how many pages the file gave wrong and the map right).
 
     One native call for the batch where native_copy has one (the GIL released throughout), else
-    one page at a time in Python; the same bytes are checked either way. With `lmdb_file` (fd, page
-    size: the records are values in an LMDB map of that file) the native call reads pages from the
-    file (NativeCopy.copy_hash_lmdb); a page whose checksum fails from the file is copied again from
-    the map before it is refused. The records must stay valid (an LMDB read transaction open) until
+    one page at a time in Python; the same bytes are checked either way. The native call reads a
+    record in one pass where it can (NativeCopy.copy_hash; not with `fused` False). Any other page:
+    with `lmdb_file` (fd, page size: the records are values in an LMDB map of that file), read from
+    the file; a page whose checksum fails from the file is copied again from the map before it is
+    refused. The records must stay valid (an LMDB read transaction open) until
     this returns."""
     errors: list[str | None] = [_KEY_MISMATCH if not header.key_matches() else None for _, header, _ in jobs]
     todo = [i for i, e in enumerate(errors) if e is None]
@@ -151,15 +152,16 @@ def copy_payloads(jobs: Sequence[tuple[object, RecordHeader, object]],
     srcs = values + np.array([len(jobs[i][0]) for i in todo], np.int64) - nbytes
     heads = values + (PREFIX_BYTES - 4)
     dsts = np.array([_address(jobs[i][2]) for i in todo], np.int64)
-    digests, from_file = native.copy_hash(values, heads, srcs, dsts, nbytes, _COPY_CHUNK, lmdb_file)
+    digests, how = native.copy_hash(values, heads, srcs, dsts, nbytes, _COPY_CHUNK, lmdb_file, fused)
     disagreed = 0
     for k, i in enumerate(todo):
         checksum = bytes(memoryview(jobs[i][0])[4:20])
         if digests[16 * k:16 * k + 16] == checksum:
             continue
-        if from_file[k]:   # once more from the map: a page the file gives wrong is not yet damaged
+        if how[k] == native_copy.READ_FILE:   # once more from the map: a page the file gives wrong is not yet damaged
             one = slice(k, k + 1)
-            if native.copy_hash(values[one], heads[one], srcs[one], dsts[one], nbytes, _COPY_CHUNK)[0] == checksum:
+            if native.copy_hash(values[one], heads[one], srcs[one], dsts[one], nbytes, _COPY_CHUNK,
+                                fused=False)[0] == checksum:
                 disagreed += 1
                 continue
         _byte_array(jobs[i][2]).fill(0)

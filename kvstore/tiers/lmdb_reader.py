@@ -50,6 +50,7 @@ class LmdbReader:
         self._lock = threading.Lock()   # starting the pool against close()
         self._pool: ThreadPoolExecutor | None = None
         self._from_file = env.data_fd is not None   # pages read with pread (record.copy_payloads)
+        self.one_pass = True    # records read in one pass where the native copy can (record.copy_payloads)
 
     def read(self, key: bytes, expect_namespace: bytes, expect_tokens: bytes, expect_spec: bytes,
              out) -> bool:
@@ -116,7 +117,7 @@ class LmdbReader:
                     if found is not None:
                         jobs.append((*found, targets[i]))
                         where.append(i)
-                errors, disagreed = record.copy_payloads(jobs, self._lmdb_file())
+                errors, disagreed = record.copy_payloads(jobs, self._lmdb_file(), self.one_pass)
                 for i, error in zip(where, errors):
                     if error is None:
                         ok[i] = True

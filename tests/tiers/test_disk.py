@@ -59,14 +59,20 @@ class Pages:
         return tier.read(h.key, self.ns.digest, h.tokens, self.spec.fingerprint, out), out
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["one pass", "native", "python"])
 def copier(request, monkeypatch):
-    """Each read test twice: pages copied and checksummed by the native batch copy (copy_hash.cpp, with
-    pread from data.mdb), and by Python one page at a time, as where the native copy cannot be had."""
-    if request.param == "native":
-        requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
-    else:
+    """Each read test three times: records read in one pass by the native copy (copy_hash.cpp, on a
+    CPU with AVX-512; skipped on any other, like the GPU tests), pages copied in chunks by the native
+    batch copy (with pread from data.mdb), and by Python one page at a time, as where the native
+    copy cannot be had."""
+    if request.param == "python":
         monkeypatch.setattr(native_copy, "_copier", None)
+        return request.param
+    requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
+    if request.param == "one pass" and not native_copy.copier().fused:
+        pytest.skip("this CPU has no AVX-512: records are copied in chunks")
+    if request.param == "native":
+        monkeypatch.setattr(native_copy.copier(), "fused", False)
     return request.param
 
 
@@ -339,12 +345,13 @@ def test_a_record_written_before_the_padding_still_reads(tmp_path, copier):
 
 
 def test_reads_from_the_file_that_disagree_with_the_map_fall_back_to_it(tmp_path, caplog):
-    """The native copy reads large pages from data.mdb with pread; should the file ever give a page that
-    fails its checksum where the map's copy passes, the page is served from the map, one error is
-    logged, and every later read copies from the map."""
+    """Where the native copy does not read a record in one pass, it reads large pages from data.mdb with
+    pread; should the file ever give a page that fails its checksum where the map's copy passes, the
+    page is served from the map, one error is logged, and every later read copies from the map."""
     requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
     pages = Pages(8, seed=9)
     with open_tier(tmp_path / "cold") as tier:
+        tier.reader.one_pass = False
         tier.put_many(pages.items()).result(timeout=10)
         assert tier.reader._from_file
         other = tmp_path / "other"
@@ -375,6 +382,63 @@ def test_native_copy_hashes_with_python_xxhash_or_else_the_systems_libxxhash(mon
     system = native_copy._xxhash_library()
     assert "libxxhash" in system._name
     native_copy._self_test(native_copy.NativeCopy(native.lib, system))   # raises NotBuilt if they disagree
+
+
+def test_native_copy_agrees_with_python_xxhash_at_every_alignment():
+    """The one-pass read computes xxh3 itself and puts each target line together from two of the
+    record's stripes: for heads of every length mod 64 and pages of whole stripes and not, its digest
+    is python-xxhash's and its copy exact, with nothing written past the target; a record too small
+    for it is read in chunks. On a CPU without AVX-512 the same sizes are checked in chunks."""
+    requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
+    native = native_copy.copier()
+    sizes = [(head, page) for head in range(0, 130) for page in (128, 129, 191, 192, 255, 1024, 1088, 4100)]
+    rng = np.random.default_rng(3)
+    sizes += [(int(rng.integers(0, 400)), int(rng.integers(1, 300_000))) for _ in range(100)]
+    wrong = [(head, page) for head, page in sizes if not native_copy.check_copy(native, head, page, fused=True)]
+    assert wrong == []
+
+
+def test_native_copy_digest_changes_with_any_byte_of_the_record():
+    """A byte changed anywhere in a record (its head, the page's first and last stripes, the tail the
+    one-pass read delivers from its last registers) gives another digest: the damage is seen, and the
+    digest is python-xxhash's of the bytes as they are."""
+    import xxhash
+    requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
+    native = native_copy.copier()
+    head, page = 37, 737_280
+    data = np.random.default_rng(5).integers(0, 256, head + page, dtype=np.uint8)
+    out = torch.zeros(page, dtype=torch.uint8)
+    at = np.array([data.ctypes.data])
+
+    def digest() -> tuple[bytes, int]:
+        found, how = native.copy_hash(at, at, at + head, np.array([out.data_ptr()]), page, 4096)
+        assert torch.equal(out, torch.from_numpy(data[head:]))
+        return found, how[0]
+    clean, how = digest()
+    assert clean == xxhash.xxh3_128(data.tobytes()).digest()
+    assert how == (native_copy.READ_FUSED if native.fused else native_copy.READ_MAP)
+    for at_byte in (0, head - 1, head, head + 63, head + page // 2, head + page - 129, head + page - 65,
+                    head + page - 1):
+        data[at_byte] ^= 0x10
+        changed, _ = digest()
+        assert changed != clean and changed == xxhash.xxh3_128(data.tobytes()).digest(), at_byte
+        data[at_byte] ^= 0x10
+
+
+def test_a_target_off_a_cache_line_reads_exactly(tmp_path, copier):
+    """A target that does not start on a 64-byte line (a view into a larger buffer) cannot take the
+    one-pass read's aligned stores: its pages are copied in chunks, verified the same way."""
+    pages = Pages(4, seed=8)
+    with open_tier(tmp_path / "cold") as tier:
+        tier.put_many(pages.items()).result(timeout=10)
+        room = torch.zeros(4 * SPEC.page_bytes + 64, dtype=torch.uint8)
+        start = (16 - room.data_ptr()) % 64
+        outs = [room[start + i * SPEC.page_bytes:start + (i + 1) * SPEC.page_bytes] for i in range(4)]
+        assert all(o.data_ptr() % 64 == 16 for o in outs)
+        reqs = [(h.key, NS.digest, h.tokens, SPEC.fingerprint, o) for h, o in zip(pages.headers, outs)]
+        assert tier.read_many(reqs) == [True] * 4
+        assert all(torch.equal(o, p) for o, p in zip(outs, pages.payloads))
+        assert tier.corrupt == 0
 
 
 def test_small_pages_inline_in_lmdb_pages_read_exactly(tmp_path, copier):
