@@ -3,8 +3,8 @@
 `read`, `read_many` and `scan` are thread-safe and block: a read verifies the record (key
 derivation, namespace, tokens, geometry, then the checksum over the bytes it copied) and
 returns False for anything missing or untrustworthy, never raising on bad data. `read_many`
-spreads a batch over a small thread pool, each group in its own read transaction, under the
-shared remap lock. DiskTier (disk.py) holds one, on the tier's LmdbEnv (lmdb_env.py); the rules
+hands a batch out in runs to the caller's thread and a small pool, each thread in its own read
+transaction, under the shared remap lock. DiskTier (disk.py) holds one, on the tier's LmdbEnv (lmdb_env.py); the rules
 are DiskTier's.
 """
 
@@ -29,8 +29,8 @@ from kvstore.tiers.lmdb_env import LmdbEnv
 log = logging.getLogger("kvstore.store")
 
 _SCAN_CHUNK = 4096              # records read per read transaction in scan() and sizes()
-_READ_GROUP_BYTES = 4 * MiB     # read_many gives a thread at least this many page bytes
-_COPY_BATCH_BYTES = 8 * MiB     # a group's pages copied in one record.copy_payloads call
+_READ_THREAD_BYTES = 4 * MiB    # read_many uses a thread for each this many page bytes
+_RUN_BYTES = 8 * MiB            # a run: pages copied in one record.copy_payloads call
 K = TypeVar("K", bound=tuple)
 
 
@@ -62,26 +62,30 @@ class LmdbReader:
                   threads: int | None = None) -> list[bool]:
         """Several reads (key, namespace, tokens, spec fingerprint, out); True for each page copied.
 
-        The batch is cut into contiguous groups of at least 4 MiB of pages, one per thread,
-        up to `threads` (default: the reader's): the caller reads the first group, pool
-        threads the others, each group in one read transaction. Hashing and copying release
-        the GIL, so the groups run in parallel. A False leaves its target untouched, or
-        zeroed when the checksum of what was copied failed.
+        The batch is cut into runs of about 8 MiB of pages, taken in turn by up to `threads`
+        threads (default: the reader's; at least 4 MiB of pages each): the caller's, and pool
+        threads that join as soon as they wake, each in its own read transaction. A thread that
+        starts late or copies slowly takes fewer runs, so all of them finish within about one run
+        of each other. Hashing and copying release the GIL, so the runs go in parallel. A False
+        leaves its target untouched, or zeroed when the checksum of what was copied failed.
         """
         page_bytes = self.spec.page_bytes
         targets = [read_target(req[4], page_bytes) for req in requests]
-        per_group = max(1, -(-_READ_GROUP_BYTES // page_bytes))
-        groups = min(threads or self.threads, -(-len(requests) // per_group))
-        if groups <= 1:
-            return self._read_group(requests, targets)
-        bounds = [len(requests) * g // groups for g in range(groups + 1)]
-        futures = [self._read_pool().submit(self._read_group, requests[a:b], targets[a:b])
-                   for a, b in zip(bounds[1:-1], bounds[2:])]
+        ok = [False] * len(requests)
+        step = max(1, _RUN_BYTES // page_bytes)
+        per_thread = max(1, -(-_READ_THREAD_BYTES // page_bytes))
+        workers = min(threads or self.threads, -(-len(requests) // per_thread))
+        runs = _Runs(len(requests), step)
+        futures = [self._read_pool().submit(self._read_runs, requests, targets, ok, runs)
+                   for _ in range(workers - 1)]
         try:
-            first = self._read_group(requests[:bounds[1]], targets[:bounds[1]])
+            self._read_runs(requests, targets, ok, runs)
         finally:
-            rest = [f.result() for f in futures]   # never leave a pool thread writing into a target
-        return first + [ok for group in rest for ok in group]
+            runs.close()   # after an error: a pool thread takes no more runs
+            for f in futures:
+                if not f.cancel():   # one that has not started is not waited for
+                    f.result()       # never leave a pool thread writing into a target
+        return ok
 
     def records(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The stored record of each key as bytes (None when there is none), unverified: for a copy
@@ -102,17 +106,17 @@ class LmdbReader:
                                                 thread_name_prefix="kvstore-cold-read")
             return self._pool
 
-    def _read_group(self, requests, targets: list) -> list[bool]:
-        """One read transaction, in batches of about _COPY_BATCH_BYTES: each record's header checked
-        here, then the pages of those that pass copied and checksummed in one call
-        (record.copy_payloads, which releases the GIL), while another group's thread checks its
-        next batch's headers."""
-        ok = [False] * len(requests)
-        step = max(1, _COPY_BATCH_BYTES // self.spec.page_bytes)
+    def _read_runs(self, requests, targets: list, ok: list[bool], runs: "_Runs") -> None:
+        """Runs of `requests` taken from `runs` until none is left, in one read transaction: each
+        record's header checked here, then the pages of those that pass copied and checksummed in
+        one call (record.copy_payloads, which releases the GIL) while another thread checks the
+        headers of its run. ok[i] set for each page copied."""
+        if (run := runs.take()) is None:
+            return
         with self.env.reading() as txn:
-            for start in range(0, len(requests), step):
+            while run is not None:
                 jobs, where = [], []
-                for i in range(start, min(start + step, len(requests))):
+                for i in run:
                     found = self._checked(txn, *requests[i][:4])
                     if found is not None:
                         jobs.append((*found, targets[i]))
@@ -125,7 +129,7 @@ class LmdbReader:
                         self._refused(requests[i][0], error)
                 if disagreed:
                     self._stop_file_reads(disagreed)
-        return ok
+                run = runs.take()
 
     def _lmdb_file(self) -> tuple[int, int] | None:
         return (self.env.data_fd, self.env.psize) if self._from_file else None
@@ -205,6 +209,25 @@ class LmdbReader:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+class _Runs:
+    """The runs of a read_many batch (ranges of `step` requests out of `n`), handed out in order to
+    whichever thread asks next."""
+
+    def __init__(self, n: int, step: int):
+        self._lock = threading.Lock()
+        self._starts = iter(range(0, n, step))
+        self._n, self._step = n, step
+
+    def take(self) -> range | None:
+        with self._lock:
+            start = next(self._starts, None)
+        return None if start is None else range(start, min(start + self._step, self._n))
+
+    def close(self) -> None:
+        with self._lock:
+            self._starts = iter(())
 
 
 def _scan_item(key: memoryview, value: memoryview) -> tuple[bytes, RecordHeader | None, int]:
