@@ -86,10 +86,10 @@ def page_tokens(tokens: Sequence[int], page_size: int, start: int = 0) -> list[b
 
 def chain_key(namespace_digest: bytes, parent: bytes, page_tokens: Sequence[int]) -> bytes:
     """The key of one page given its parent's key (the namespace digest for page 0)."""
-    return _chain(namespace_digest, parent, tokens_bytes(page_tokens))
+    return chain_key_of_bytes(namespace_digest, parent, tokens_bytes(page_tokens))
 
 
-def _chain(namespace_digest: bytes, parent: bytes, token_bytes: bytes) -> bytes:
+def chain_key_of_bytes(namespace_digest: bytes, parent: bytes, token_bytes: bytes) -> bytes:
     """chain_key of a page's tokens already converted (tokens_bytes)."""
     return blake3.blake3(namespace_digest + parent + token_bytes).digest(KEY_BYTES)
 
@@ -106,6 +106,6 @@ def page_keys(namespace: Namespace, tokens: Sequence[int], page_size: int,
         raise ValueError("page_keys: parent key required when start > 0")
     keys = []
     for page in page_tokens(tokens, page_size, start):
-        prev = _chain(digest, prev, page)
+        prev = chain_key_of_bytes(digest, prev, page)
         keys.append(prev)
     return keys

@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 
 from kvstore.pages import native_copy
-from kvstore.pages.keys import KEY_BYTES, chain_key
+from kvstore.pages.keys import KEY_BYTES, chain_key_of_bytes
 
 MAGIC = b"KVP1"
 _PREFIX = struct.Struct("<4s16sI")  # magic, checksum, header length
@@ -68,7 +68,7 @@ class RecordHeader(NamedTuple):
 
     def key_matches(self) -> bool:
         """The key must be the chain hash of (namespace, parent, tokens)."""
-        return chain_key(self.namespace, self.parent, np.frombuffer(self.tokens, dtype="<i4")) == self.key
+        return len(self.tokens) % 4 == 0 and chain_key_of_bytes(self.namespace, self.parent, self.tokens) == self.key
 
 
 def encode(header: RecordHeader, payload) -> list:
