@@ -2,12 +2,12 @@
 //
 // For each record, the xxh3-128 of its head (the bytes between the checksum and the page) and page,
 // and the page copied out, so that the digest covers exactly the bytes delivered. Two ways:
-//   fused   (x86-64 with AVX-512, a head and page contiguous in memory, a 64-byte aligned target):
-//           one pass. Each 64-byte stripe of the record is loaded once into a register, fed to
-//           xxh3's accumulators and written to the target from that register with non-temporal
-//           stores, so the page is read from memory once and the target's lines are never read
-//           for ownership. xxh3 is computed here (its long-input form; the result is python-xxhash's,
-//           as the self-test at load checks).
+//   fused   (x86-64 with AVX-512 or AVX2, a head and page contiguous in memory, a 64-byte aligned
+//           target): one pass (copy_hash_fused.h). Each 64-byte stripe of the record is loaded
+//           once into registers, fed to xxh3's accumulators and written to the target from those
+//           registers with non-temporal stores, so the page is read from memory once and the
+//           target's lines are never read for ownership. xxh3 is computed here (its long-input
+//           form; the result is python-xxhash's, as the self-test at load checks).
 //   chunked (everywhere else): the page copied chunk by chunk (from the map, or from the file with
 //           pread), each chunk hashed right after it landed, with xxhash's own functions, which come
 //           from the caller (python-xxhash's, or libxxhash, found at run time).
@@ -21,7 +21,6 @@
 #define KV_FUSED 1
 #endif
 
-extern "C" {
 
 struct Hash128 { uint64_t low64, high64; };   // XXH128_hash_t
 
@@ -33,7 +32,7 @@ struct XxhFunctions {                          // XXH3_createState and friends
     Hash128 (*digest)(const void*);
 };
 
-int kv_copy_hash_version() { return 4; }
+extern "C" int kv_copy_hash_version() { return 4; }
 
 static void put_digest(Hash128 h, unsigned char* out) {   // xxhash's canonical form
     for (int b = 0; b < 8; ++b) {
@@ -77,91 +76,118 @@ static uint64_t merge(const uint64_t* acc, const unsigned char* secret, uint64_t
     return h ^ (h >> 32);
 }
 
-__attribute__((target("avx512f"))) static inline __m512i accumulate(__m512i acc, __m512i stripe, __m512i key) {
-    __m512i mixed = _mm512_xor_si512(stripe, key);
-    __m512i product = _mm512_mul_epu32(mixed, _mm512_srli_epi64(mixed, 32));
-    return _mm512_add_epi64(acc, _mm512_add_epi64(product, _mm512_shuffle_epi32(stripe, _MM_PERM_BADC)));
-}
-
-__attribute__((target("avx512f"))) static inline __m512i scramble(__m512i acc, __m512i key, __m512i prime) {
-    __m512i mixed = _mm512_xor_si512(_mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47)), key);
-    __m512i low = _mm512_mul_epu32(mixed, prime), high = _mm512_mul_epu32(_mm512_srli_epi64(mixed, 32), prime);
-    return _mm512_add_epi64(low, _mm512_slli_epi64(high, 32));
-}
-
 // Whether `copy_hash_fused` may take a record: len hashed bytes of which the last n are the page.
 static bool fused_fits(int64_t len, int64_t n, const unsigned char* dst) {
     return n >= 2 * (int64_t)STRIPE && len > 240 && (uintptr_t)dst % STRIPE == 0;
 }
 
-// The xxh3-128 of in[0, len) (len > 240: xxh3's long form, default secret), copying in[head, len)
-// to dst (64-byte aligned) on the way. Stripe k is in[64k, 64k + 64); target block m, in[head + 64m,
-// head + 64m + 64), is the last 64 - r bytes of stripe head/64 + m and the first r of the next one
-// (r = head % 64), put together in registers (two dword permutes, two shifts).
-__attribute__((target("avx512f"))) static Hash128 copy_hash_fused(const unsigned char* in, size_t len, size_t head,
-                                                                    unsigned char* dst) {
-    const size_t n = len - head;
-    const size_t stripes = (len - 1) / STRIPE;   // taken in order; then the last 64 bytes once more
-    const size_t k0 = head / STRIPE, r = head % STRIPE;
-    size_t blocks = stripes - k0 - (r != 0);     // target blocks written from the stripes
-    if (blocks > n / STRIPE) blocks = n / STRIPE;
-    __m512i keys[STRIPES_PER_BLOCK];
-    for (size_t j = 0; j < STRIPES_PER_BLOCK; ++j) keys[j] = _mm512_loadu_si512(SECRET + 8 * j);
-    const __m512i scramble_key = _mm512_loadu_si512(SECRET + sizeof(SECRET) - STRIPE);
-    const __m512i last_key = _mm512_loadu_si512(SECRET + sizeof(SECRET) - STRIPE - 7);
-    const __m512i prime = _mm512_set1_epi64((long long)P32_1);
-    const __m512i low_words = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32((int)(r / 4)));
-    const __m512i high_words = _mm512_add_epi32(low_words, _mm512_set1_epi32(1));
-    const __m128i right = _mm_cvtsi32_si128((int)(8 * (r % 4))), left = _mm_cvtsi32_si128((int)(32 - 8 * (r % 4)));
-    __m512i acc = _mm512_setr_epi64((long long)P32_3, (long long)P64_1, (long long)P64_2, (long long)P64_3,
-                                    (long long)P64_4, (long long)P32_2, (long long)P64_5, (long long)P32_1);
-    __m512i prev = _mm512_setzero_si512();
-    for (size_t k = 0; k < stripes; ++k) {
-        // a 4 KiB page ahead: the hardware's prefetchers stop at page boundaries
-        _mm_prefetch((const char*)(in + STRIPE * k + PREFETCH), _MM_HINT_T0);
-        __m512i stripe = _mm512_loadu_si512(in + STRIPE * k);
-        acc = accumulate(acc, stripe, keys[k % STRIPES_PER_BLOCK]);
-        if (k % STRIPES_PER_BLOCK == STRIPES_PER_BLOCK - 1) acc = scramble(acc, scramble_key, prime);
-        if (r == 0 ? k >= k0 : k > k0) {
-            size_t m = k - k0 - (r != 0);
-            if (m < blocks) {
-                __m512i block = stripe;
-                if (r != 0) {
-                    __m512i low = _mm512_permutex2var_epi32(prev, low_words, stripe);
-                    __m512i high = _mm512_permutex2var_epi32(prev, high_words, stripe);
-                    block = _mm512_or_si512(_mm512_srl_epi32(low, right), _mm512_sll_epi32(high, left));
-                }
-                _mm512_stream_si512((__m512i*)(dst + STRIPE * m), block);
-            }
-        }
-        prev = stripe;
+namespace avx512 {   // a stripe in one register
+#define KV_TARGET __attribute__((target("avx512f")))
+struct Ops {
+    using V = __m512i;
+    KV_TARGET static V load(const unsigned char* p) { return _mm512_loadu_si512(p); }
+    KV_TARGET static void store(unsigned char* p, V v) { _mm512_storeu_si512(p, v); }
+    KV_TARGET static void stream(unsigned char* p, V v) { _mm512_stream_si512((__m512i*)p, v); }
+    KV_TARGET static V accumulate(V acc, V stripe, V key) {
+        V mixed = _mm512_xor_si512(stripe, key);
+        V product = _mm512_mul_epu32(mixed, _mm512_srli_epi64(mixed, 32));
+        return _mm512_add_epi64(acc, _mm512_add_epi64(product, _mm512_shuffle_epi32(stripe, _MM_PERM_BADC)));
     }
-    __m512i last = _mm512_loadu_si512(in + len - STRIPE);
-    acc = accumulate(acc, last, last_key);
-    // The rest of the target (at most 128 bytes) from the registers: the last stripe taken in order
-    // (in[64(stripes - 1), 64 stripes)) and the last 64 bytes, which reach the end.
-    alignas(64) unsigned char tail[2 * STRIPE];
-    const size_t tail_start = STRIPE * (stripes - 1), done = head + STRIPE * blocks;
-    _mm512_store_si512(tail, prev);
-    _mm512_storeu_si512(tail + (len - STRIPE - tail_start), last);
-    memcpy(dst + STRIPE * blocks, tail + (done - tail_start), len - done);
-    _mm_sfence();   // the streamed stores are ordered before whatever the caller does next
-    alignas(64) uint64_t lanes[8];
-    _mm512_store_si512(lanes, acc);
-    return Hash128{merge(lanes, SECRET + 11, (uint64_t)len * P64_1),
-                   merge(lanes, SECRET + sizeof(SECRET) - sizeof(lanes) - 11, ~((uint64_t)len * P64_2))};
+    KV_TARGET static V scramble(V acc, V key) {
+        const V prime = _mm512_set1_epi64((long long)P32_1);
+        V mixed = _mm512_xor_si512(_mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47)), key);
+        V low = _mm512_mul_epu32(mixed, prime), high = _mm512_mul_epu32(_mm512_srli_epi64(mixed, 32), prime);
+        return _mm512_add_epi64(low, _mm512_slli_epi64(high, 32));
+    }
+    struct Join {   // bytes [r, r + 64) of a, b: the dwords from r/4 on and from the next, shifted
+        V low_words, high_words;
+        __m128i right, left;
+        KV_TARGET explicit Join(size_t r)
+            : low_words(_mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32((int)(r / 4)))),
+              high_words(_mm512_add_epi32(low_words, _mm512_set1_epi32(1))),
+              right(_mm_cvtsi32_si128((int)(8 * (r % 4)))), left(_mm_cvtsi32_si128((int)(32 - 8 * (r % 4)))) {}
+        KV_TARGET V operator()(V a, V b) const {
+            V low = _mm512_permutex2var_epi32(a, low_words, b), high = _mm512_permutex2var_epi32(a, high_words, b);
+            return _mm512_or_si512(_mm512_srl_epi32(low, right), _mm512_sll_epi32(high, left));
+        }
+    };
+};
+#include "copy_hash_fused.h"
+#undef KV_TARGET
 }
 
-static bool have_avx512() {
-    static const bool yes = __builtin_cpu_supports("avx512f");
-    return yes;
+namespace avx2 {   // a stripe in two registers
+#define KV_TARGET __attribute__((target("avx2")))
+struct Ops {
+    struct V { __m256i lo, hi; };
+    KV_TARGET static V load(const unsigned char* p) {
+        return V{_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 32))};
+    }
+    KV_TARGET static void store(unsigned char* p, V v) {
+        _mm256_storeu_si256((__m256i*)p, v.lo);
+        _mm256_storeu_si256((__m256i*)(p + 32), v.hi);
+    }
+    KV_TARGET static void stream(unsigned char* p, V v) {
+        _mm256_stream_si256((__m256i*)p, v.lo);
+        _mm256_stream_si256((__m256i*)(p + 32), v.hi);
+    }
+    KV_TARGET static __m256i accumulate(__m256i acc, __m256i stripe, __m256i key) {
+        __m256i mixed = _mm256_xor_si256(stripe, key);
+        __m256i product = _mm256_mul_epu32(mixed, _mm256_srli_epi64(mixed, 32));
+        return _mm256_add_epi64(acc, _mm256_add_epi64(product, _mm256_shuffle_epi32(stripe, _MM_SHUFFLE(1, 0, 3, 2))));
+    }
+    KV_TARGET static V accumulate(V acc, V stripe, V key) {
+        return V{accumulate(acc.lo, stripe.lo, key.lo), accumulate(acc.hi, stripe.hi, key.hi)};
+    }
+    KV_TARGET static __m256i scramble(__m256i acc, __m256i key) {
+        const __m256i prime = _mm256_set1_epi64x((long long)P32_1);
+        __m256i mixed = _mm256_xor_si256(_mm256_xor_si256(acc, _mm256_srli_epi64(acc, 47)), key);
+        __m256i low = _mm256_mul_epu32(mixed, prime), high = _mm256_mul_epu32(_mm256_srli_epi64(mixed, 32), prime);
+        return _mm256_add_epi64(low, _mm256_slli_epi64(high, 32));
+    }
+    KV_TARGET static V scramble(V acc, V key) { return V{scramble(acc.lo, key.lo), scramble(acc.hi, key.hi)}; }
+    struct Join {   // bytes [r, r + 64) of a, b, in 32-byte halves: bytes [s, s + 32) of two halves
+        __m256i low_index, low_from_second, high_index, high_from_second;
+        __m128i right, left;
+        bool far;   // r >= 32: the halves start in a's second half
+        KV_TARGET explicit Join(size_t r) : far(r >= 32) {
+            const int q = (int)(r % 32 / 4);
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), seven = _mm256_set1_epi32(7);
+            const __m256i low = _mm256_add_epi32(lane, _mm256_set1_epi32(q)), high = _mm256_add_epi32(low, _mm256_set1_epi32(1));
+            low_index = _mm256_and_si256(low, seven);
+            low_from_second = _mm256_cmpgt_epi32(low, seven);
+            high_index = _mm256_and_si256(high, seven);
+            high_from_second = _mm256_cmpgt_epi32(high, seven);
+            right = _mm_cvtsi32_si128((int)(8 * (r % 4)));
+            left = _mm_cvtsi32_si128((int)(32 - 8 * (r % 4)));
+        }
+        KV_TARGET __m256i half(__m256i a, __m256i b) const {   // bytes [r % 32, r % 32 + 32) of a, b
+            __m256i low = _mm256_blendv_epi8(_mm256_permutevar8x32_epi32(a, low_index),
+                                             _mm256_permutevar8x32_epi32(b, low_index), low_from_second);
+            __m256i high = _mm256_blendv_epi8(_mm256_permutevar8x32_epi32(a, high_index),
+                                              _mm256_permutevar8x32_epi32(b, high_index), high_from_second);
+            return _mm256_or_si256(_mm256_srl_epi32(low, right), _mm256_sll_epi32(high, left));
+        }
+        KV_TARGET V operator()(V a, V b) const {
+            return far ? V{half(a.hi, b.lo), half(b.lo, b.hi)} : V{half(a.lo, a.hi), half(a.hi, b.lo)};
+        }
+    };
+};
+#include "copy_hash_fused.h"
+#undef KV_TARGET
+}
+
+static int widest() {
+    static const int level = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+    return level;
 }
 #endif
 
-int kv_copy_hash_fused_available() {
+// The widest one pass this CPU runs: 2 (AVX-512), 1 (AVX2), 0 (none: records are copied in chunks).
+extern "C" int kv_copy_hash_fused_available() {
 #if KV_FUSED
-    return have_avx512();
+    return widest();
 #else
     return 0;
 #endif
@@ -183,20 +209,21 @@ static int64_t lmdb_value_offset(const unsigned char* value, int64_t psize) {
 
 // Record i starts at values[i]: its head heads[i] (head_lens[i] bytes), its page srcs[i] (nbytes),
 // copied to dsts[i]; its digest, in xxhash's canonical form, into digests[16 * i]; how[i], how page i
-// was read. With `fused` set, a record that copy_hash_fused can take is read that way (2). Any other
+// was read. With `fused` 2 (AVX-512) or 1 (AVX2; the widest this CPU runs, at most), a record that
+// copy_hash_fused can take is read that way (2). Any other
 // is copied chunk by chunk: with fd >= 0 the records are values in an LMDB map of that file (page
 // size psize), and a page in overflow pages is read from the file with pread, the kernel's copy out
 // of the page cache (1); any other page, the rest of one whose pread came up short, and every page
 // when fd < 0, is copied from the map (0). Returns 0, or -1 when xxhash could not allocate its state
 // (nothing copied).
-int kv_copy_hash(const XxhFunctions* x, int fused, int fd, int64_t psize, int64_t n, const unsigned char* const* values,
+extern "C" int kv_copy_hash(const XxhFunctions* x, int fused, int fd, int64_t psize, int64_t n, const unsigned char* const* values,
                       const unsigned char* const* heads, const int64_t* head_lens,
                       const unsigned char* const* srcs, unsigned char* const* dsts, int64_t nbytes, int64_t chunk,
                       unsigned char* digests, unsigned char* how) {
     void* state = x->create();
     if (!state) return -1;
 #if KV_FUSED
-    fused = fused && have_avx512();
+    if (fused > widest()) fused = widest();
 #else
     fused = 0;
 #endif
@@ -204,7 +231,8 @@ int kv_copy_hash(const XxhFunctions* x, int fused, int fd, int64_t psize, int64_
 #if KV_FUSED
         int64_t len = head_lens[i] + nbytes;
         if (fused && heads[i] + head_lens[i] == srcs[i] && fused_fits(len, nbytes, dsts[i])) {
-            put_digest(copy_hash_fused(heads[i], (size_t)len, (size_t)head_lens[i], dsts[i]), digests + 16 * i);
+            put_digest((fused == 2 ? avx512::copy_hash_fused : avx2::copy_hash_fused)(
+                           heads[i], (size_t)len, (size_t)head_lens[i], dsts[i]), digests + 16 * i);
             how[i] = 2;
             continue;
         }
@@ -227,6 +255,4 @@ int kv_copy_hash(const XxhFunctions* x, int fused, int fd, int64_t psize, int64_
     }
     x->release(state);
     return 0;
-}
-
 }

@@ -3,11 +3,12 @@
 record.copy_payloads hands a batch of records to `copy_hash`, which copies each page out and
 hashes it in C, with the GIL released for the whole batch, so the read threads of a `read_many`
 run side by side instead of taking turns at the interpreter between chunks. On x86-64 with
-AVX-512 a record is read once: each 64-byte stripe is loaded into a register, hashed there (xxh3
-computed in copy_hash.cpp) and written to the target from it with non-temporal stores
+AVX-512 or AVX2 a record is read once: each 64-byte stripe is loaded into registers, hashed there
+(xxh3 computed in copy_hash.cpp) and written to the target from them with non-temporal stores
 (BENCHMARKS.md: "One pass"). Elsewhere the page is copied chunk by chunk, each chunk hashed
-right after it landed, with xxhash's own functions: the ones python-xxhash carries (its extension module exports xxhash's C functions; its
-`_dispatch` ones pick AVX2 or AVX-512 at run time): 1.4x the speed of the system's libxxhash
+right after it landed, with xxhash's own functions: the ones python-xxhash carries (its
+extension module exports xxhash's C functions; its `_dispatch` ones pick AVX2 or AVX-512 at run
+time): 1.4x the speed of the system's libxxhash
 0.8.1 on a page in L2 cache (BENCHMARKS.md), and always there. Where that module does not export
 them, the system's libxxhash (a dependency of apt on Debian and Ubuntu) is used. The library is
 built like the engine's kernels (kvstore.native). When neither xxhash nor a compiler can be had, or
@@ -32,6 +33,7 @@ from kvstore.native import build, report
 log = logging.getLogger("kvstore.native")
 
 SOURCE = Path(__file__).with_name("copy_hash.cpp")
+HEADERS = (Path(__file__).with_name("copy_hash_fused.h"),)
 FLAGS = ("-O2", "-std=c++17")
 VERSION = 4   # kv_copy_hash_version() of the source
 _FUNCTIONS = ("XXH3_createState", "XXH3_freeState", "XXH3_128bits_reset", "XXH3_128bits_update",
@@ -55,14 +57,16 @@ class NativeCopy:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.kv_copy_hash.argtypes = [p, ctypes.c_int, ctypes.c_int, i64, i64, p, p, p, p, p, i64, i64, p, p]
         lib.kv_copy_hash.restype = ctypes.c_int
-        self.fused = bool(lib.kv_copy_hash_fused_available())   # this CPU can read records in one pass
+        self.fused = lib.kv_copy_hash_fused_available()   # the widest one pass this CPU runs (ONE_PASS)
 
     def copy_hash(self, values: np.ndarray, heads: np.ndarray, srcs: np.ndarray, dsts: np.ndarray, nbytes: int,
-                  chunk: int, lmdb_file: tuple[int, int] | None = None, fused: bool = True) -> tuple[bytes, np.ndarray]:
+                  chunk: int, lmdb_file: tuple[int, int] | None = None,
+                  one_pass: int | None = None) -> tuple[bytes, np.ndarray]:
         """Copy page i (nbytes at address srcs[i]) to dsts[i]; returns the xxh3-128 digest of each
         record's head (heads[i] up to srcs[i]) and copied page, 16 bytes each, and how each page was
-        read (READ_FUSED, READ_FILE or READ_MAP). With `fused` (and self.fused), a record whose head
-        and page are contiguous, bound for a 64-byte aligned target, is read in one pass. Any other
+        read (READ_FUSED, READ_FILE or READ_MAP). With a one pass (`one_pass`, a key of ONE_PASS or 0
+        for none; default self.fused, and never wider), a record whose head and page are contiguous,
+        bound for a 64-byte aligned target, is read in one pass. Any other
         page is copied in chunks of `chunk` bytes: with `lmdb_file` (fd, page size) the records are
         values in an LMDB map of that file (values[i]: where record i starts), and a page in LMDB's
         overflow pages is read from the file (pread), any other from the map. The addresses must
@@ -72,7 +76,8 @@ class NativeCopy:
         how = np.zeros(n, np.uint8)
         fd, psize = lmdb_file or (-1, 0)
         arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (values, heads, srcs - heads, srcs, dsts)]
-        rc = self.lib.kv_copy_hash(ctypes.addressof(self.functions), int(fused and self.fused), fd, psize, n,
+        level = self.fused if one_pass is None else min(one_pass, self.fused)
+        rc = self.lib.kv_copy_hash(ctypes.addressof(self.functions), level, fd, psize, n,
                                    *(a.ctypes.data for a in arrays), nbytes, chunk, digests.ctypes.data,
                                    how.ctypes.data)
         if rc:
@@ -81,6 +86,7 @@ class NativeCopy:
 
 
 READ_MAP, READ_FILE, READ_FUSED = 0, 1, 2   # how copy_hash read a page
+ONE_PASS = {2: "AVX-512", 1: "AVX2"}         # the one-pass reads, by the instruction set they use
 
 _lock = threading.Lock()
 _copier: NativeCopy | None | bool = False   # False: not tried yet
@@ -123,7 +129,7 @@ def _xxhash_library() -> ctypes.CDLL:
 
 def _load() -> NativeCopy:
     xxh = _xxhash_library()
-    lib = ctypes.CDLL(str(build("copy_hash", "the native checksummed copy", [SOURCE], flags=FLAGS)))
+    lib = ctypes.CDLL(str(build("copy_hash", "the native checksummed copy", [SOURCE], HEADERS, flags=FLAGS)))
     if lib.kv_copy_hash_version() != VERSION:
         raise NotBuilt(f"the native checksummed copy is version {lib.kv_copy_hash_version()}, expected {VERSION}")
     native = NativeCopy(lib, xxh)
@@ -139,30 +145,32 @@ SELF_TEST_SIZES = ((37, 65_547), (0, 4096), (64, 4096), (4, 128), (63, 129), (10
 
 def _self_test(native: NativeCopy) -> None:
     """The native digest of a head and a page of each SELF_TEST_SIZES must be python-xxhash's, and the
-    copy exact and within its target, read in chunks and (where this CPU can) in one pass."""
+    copy exact and within its target, read in chunks and in each one pass this CPU runs."""
     for head_bytes, page_bytes in SELF_TEST_SIZES:
-        for fused in (False, True) if native.fused else (False,):
-            if not check_copy(native, head_bytes, page_bytes, fused):
+        for level in range(native.fused + 1):
+            if not check_copy(native, head_bytes, page_bytes, level):
                 raise NotBuilt(f"the native checksummed copy disagrees with python-xxhash "
-                               f"({'one pass' if fused else 'chunked'}, {head_bytes} + {page_bytes} bytes)")
+                               f"({ONE_PASS.get(level, 'chunked')}, {head_bytes} + {page_bytes} bytes)")
 
 
-def check_copy(native: NativeCopy, head_bytes: int, page_bytes: int, fused: bool) -> bool:
-    """Whether copy_hash of a record of a head_bytes head and a page_bytes page (test data) gives
-    python-xxhash's digest and an exact copy, into a 64-byte aligned target, nothing written past it;
-    and, with `fused` (where this CPU can), whether it was read in one pass where it fits one."""
-    data = np.frombuffer(xxhash.xxh3_128(f"kvstore {head_bytes} {page_bytes}".encode()).digest()
-                         * (-(-(head_bytes + page_bytes) // 16)), np.uint8)[:head_bytes + page_bytes]
+def check_copy(native: NativeCopy, head_bytes: int, page_bytes: int, one_pass: int) -> bool:
+    """Whether copy_hash of a record of a head_bytes head and a page_bytes page (test data), with
+    `one_pass` (a key of ONE_PASS this CPU runs, or 0), gives python-xxhash's digest and an exact copy,
+    into a 64-byte aligned target, nothing written past it; and whether it was read in one pass
+    exactly where one was asked for and the record fits it."""
+    # bytes with no period: a misplaced stripe or word shows
+    data = np.random.default_rng(head_bytes * 1_000_003 + page_bytes).integers(0, 256, head_bytes + page_bytes,
+                                                                              dtype=np.uint8)
     room = np.full(page_bytes + 192, 0xA5, np.uint8)
     start = -room.ctypes.data % 64
     out = room[start:start + page_bytes]
     at = np.array([data.ctypes.data])
     digest, how = native.copy_hash(at, at, at + head_bytes, np.array([out.ctypes.data]), page_bytes, 4096,
-                                   fused=fused)
-    one_pass = fused and native.fused and page_bytes >= 128 and head_bytes + page_bytes > 240
+                                   one_pass=one_pass)
+    fits = one_pass > 0 and page_bytes >= 128 and head_bytes + page_bytes > 240
     return (digest == xxhash.xxh3_128(data.tobytes()).digest() and np.array_equal(out, data[head_bytes:])
             and not (room[:start] != 0xA5).any() and not (room[start + page_bytes:] != 0xA5).any()
-            and (how[0] == READ_FUSED) == one_pass)
+            and (how[0] == READ_FUSED) == fits)
 
 
 def main() -> int:

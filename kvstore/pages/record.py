@@ -152,7 +152,7 @@ def copy_payloads(jobs: Sequence[tuple[object, RecordHeader, object]],
     srcs = values + np.array([len(jobs[i][0]) for i in todo], np.int64) - nbytes
     heads = values + (PREFIX_BYTES - 4)
     dsts = np.array([_address(jobs[i][2]) for i in todo], np.int64)
-    digests, how = native.copy_hash(values, heads, srcs, dsts, nbytes, _COPY_CHUNK, lmdb_file, fused)
+    digests, how = native.copy_hash(values, heads, srcs, dsts, nbytes, _COPY_CHUNK, lmdb_file, None if fused else 0)
     disagreed = 0
     for k, i in enumerate(todo):
         checksum = bytes(memoryview(jobs[i][0])[4:20])
@@ -161,7 +161,7 @@ def copy_payloads(jobs: Sequence[tuple[object, RecordHeader, object]],
         if how[k] == native_copy.READ_FILE:   # once more from the map: a page the file gives wrong is not yet damaged
             one = slice(k, k + 1)
             if native.copy_hash(values[one], heads[one], srcs[one], dsts[one], nbytes, _COPY_CHUNK,
-                                fused=False)[0] == checksum:
+                                one_pass=0)[0] == checksum:
                 disagreed += 1
                 continue
         _byte_array(jobs[i][2]).fill(0)

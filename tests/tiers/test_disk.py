@@ -59,20 +59,20 @@ class Pages:
         return tier.read(h.key, self.ns.digest, h.tokens, self.spec.fingerprint, out), out
 
 
-@pytest.fixture(params=["one pass", "native", "python"])
+@pytest.fixture(params=["AVX-512", "AVX2", "native", "python"])
 def copier(request, monkeypatch):
-    """Each read test three times: records read in one pass by the native copy (copy_hash.cpp, on a
-    CPU with AVX-512; skipped on any other, like the GPU tests), pages copied in chunks by the native
-    batch copy (with pread from data.mdb), and by Python one page at a time, as where the native
-    copy cannot be had."""
+    """Each read test four times: records read in one pass by the native copy (copy_hash.cpp) with
+    AVX-512 and with AVX2 (each skipped on a CPU without it, like the GPU tests), pages copied in
+    chunks by the native batch copy (with pread from data.mdb), and by Python one page at a time, as
+    where the native copy cannot be had."""
     if request.param == "python":
         monkeypatch.setattr(native_copy, "_copier", None)
         return request.param
     requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
-    if request.param == "one pass" and not native_copy.copier().fused:
-        pytest.skip("this CPU has no AVX-512: records are copied in chunks")
-    if request.param == "native":
-        monkeypatch.setattr(native_copy.copier(), "fused", False)
+    level = {name: level for level, name in native_copy.ONE_PASS.items()}.get(request.param, 0)
+    if native_copy.copier().fused < level:
+        pytest.skip(f"this CPU has no {request.param}")
+    monkeypatch.setattr(native_copy.copier(), "fused", level)
     return request.param
 
 
@@ -388,20 +388,22 @@ def test_native_copy_agrees_with_python_xxhash_at_every_alignment():
     """The one-pass read computes xxh3 itself and puts each target line together from two of the
     record's stripes: for heads of every length mod 64 and pages of whole stripes and not, its digest
     is python-xxhash's and its copy exact, with nothing written past the target; a record too small
-    for it is read in chunks. On a CPU without AVX-512 the same sizes are checked in chunks."""
+    for it is read in chunks. Each one pass this CPU runs (AVX-512, AVX2) is checked, and the chunked
+    copy; where the CPU runs neither, the chunked copy alone."""
     requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
     native = native_copy.copier()
     sizes = [(head, page) for head in range(0, 130) for page in (128, 129, 191, 192, 255, 1024, 1088, 4100)]
     rng = np.random.default_rng(3)
     sizes += [(int(rng.integers(0, 400)), int(rng.integers(1, 300_000))) for _ in range(100)]
-    wrong = [(head, page) for head, page in sizes if not native_copy.check_copy(native, head, page, fused=True)]
+    wrong = [(level, head, page) for level in range(native.fused + 1) for head, page in sizes
+             if not native_copy.check_copy(native, head, page, level)]
     assert wrong == []
 
 
 def test_native_copy_digest_changes_with_any_byte_of_the_record():
     """A byte changed anywhere in a record (its head, the page's first and last stripes, the tail the
     one-pass read delivers from its last registers) gives another digest: the damage is seen, and the
-    digest is python-xxhash's of the bytes as they are."""
+    digest is python-xxhash's of the bytes as they are. Each one pass this CPU runs, and in chunks."""
     import xxhash
     requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
     native = native_copy.copier()
@@ -410,19 +412,20 @@ def test_native_copy_digest_changes_with_any_byte_of_the_record():
     out = torch.zeros(page, dtype=torch.uint8)
     at = np.array([data.ctypes.data])
 
-    def digest() -> tuple[bytes, int]:
-        found, how = native.copy_hash(at, at, at + head, np.array([out.data_ptr()]), page, 4096)
+    def digest(level: int) -> bytes:
+        found, how = native.copy_hash(at, at, at + head, np.array([out.data_ptr()]), page, 4096, one_pass=level)
         assert torch.equal(out, torch.from_numpy(data[head:]))
-        return found, how[0]
-    clean, how = digest()
-    assert clean == xxhash.xxh3_128(data.tobytes()).digest()
-    assert how == (native_copy.READ_FUSED if native.fused else native_copy.READ_MAP)
-    for at_byte in (0, head - 1, head, head + 63, head + page // 2, head + page - 129, head + page - 65,
-                    head + page - 1):
-        data[at_byte] ^= 0x10
-        changed, _ = digest()
-        assert changed != clean and changed == xxhash.xxh3_128(data.tobytes()).digest(), at_byte
-        data[at_byte] ^= 0x10
+        assert how[0] == (native_copy.READ_FUSED if level else native_copy.READ_MAP)
+        return found
+    for level in range(native.fused + 1):
+        clean = digest(level)
+        assert clean == xxhash.xxh3_128(data.tobytes()).digest()
+        for at_byte in (0, head - 1, head, head + 63, head + page // 2, head + page - 129, head + page - 65,
+                        head + page - 1):
+            data[at_byte] ^= 0x10
+            changed = digest(level)
+            assert changed != clean and changed == xxhash.xxh3_128(data.tobytes()).digest(), (level, at_byte)
+            data[at_byte] ^= 0x10
 
 
 def test_a_target_off_a_cache_line_reads_exactly(tmp_path, copier):
