@@ -184,6 +184,31 @@ static int widest() {
 }
 #endif
 
+// Block i: n bytes from srcs[i] to dsts[i] (not overlapping), with non-temporal stores where this
+// CPU has AVX2 or AVX-512 and dsts[i] is 64-byte aligned, prefetching a 4 KiB page ahead: copies
+// between tiers, far larger than the cache, whose target lines are then not read for ownership.
+// Else memcpy.
+extern "C" void kv_copy_blocks(unsigned char* const* dsts, const unsigned char* const* srcs, int64_t count,
+                               int64_t n) {
+    for (int64_t i = 0; i < count; ++i) {
+        unsigned char* dst = dsts[i];
+        const unsigned char* src = srcs[i];
+#if KV_FUSED
+        if (widest() && (uintptr_t)dst % STRIPE == 0) {
+            const int64_t whole = n / (int64_t)STRIPE * (int64_t)STRIPE;
+            if (widest() == 2) avx512::stream_copy(dst, src, (size_t)whole);
+            else avx2::stream_copy(dst, src, (size_t)whole);
+            memcpy(dst + whole, src + whole, (size_t)(n - whole));
+            continue;
+        }
+#endif
+        memcpy(dst, src, (size_t)n);
+    }
+#if KV_FUSED
+    _mm_sfence();   // the streamed stores are ordered before whatever the caller does next
+#endif
+}
+
 // The widest one pass this CPU runs: 2 (AVX-512), 1 (AVX2), 0 (none: records are copied in chunks).
 extern "C" int kv_copy_hash_fused_available() {
 #if KV_FUSED

@@ -48,3 +48,11 @@ KV_TARGET static Hash128 copy_hash_fused(const unsigned char* in, size_t len, si
     return Hash128{merge(lanes, SECRET + 11, (uint64_t)len * P64_1),
                    merge(lanes, SECRET + sizeof(SECRET) - sizeof(lanes) - 11, ~((uint64_t)len * P64_2))};
 }
+
+// n bytes (a multiple of 64) from src to dst (64-byte aligned), with non-temporal stores.
+KV_TARGET static void stream_copy(unsigned char* dst, const unsigned char* src, size_t n) {
+    for (size_t a = 0; a < n; a += STRIPE) {
+        _mm_prefetch((const char*)(src + a + PREFETCH), _MM_HINT_T0);
+        Ops::stream(dst + a, Ops::load(src + a));
+    }
+}

@@ -49,6 +49,45 @@ def test_hot_copies_are_exact_both_ways(dtype, head_room):
         assert (warm.buffer.view(12, warm.stride)[:, :head_room] == 0xAB).all()
 
 
+@pytest.mark.parametrize("head_room", [0, 64])
+def test_large_tier_copies_go_by_blocks_and_are_exact(monkeypatch, head_room):
+    """Copies of a MiB or more between tiers go to the native copy as blocks of contiguous bytes (here
+    each layer's K or V of a page, 8 KiB: the hot tier keeps a layer's pages together) and land
+    exactly, in both directions, leaving the warm slots' head room alone."""
+    from kvstore.pages import native_copy
+    requires(native_copy.copier() is not None, f"the native copy: {native_copy.why_not}")
+    calls = []
+    copy_blocks = native_copy.NativeCopy.copy_blocks
+    monkeypatch.setattr(native_copy.NativeCopy, "copy_blocks",
+                        lambda self, dsts, srcs, n: calls.append((len(dsts), n)) or copy_blocks(self, dsts, srcs, n))
+    spec = KVSpec(4, 4, 64, "bfloat16", 16)   # 64 KiB pages
+    hot, warm = DeviceTier(spec, 40), HostTier(spec, 40, pin=False, head_room=head_room)
+    if head_room:
+        warm.buffer.view(40, warm.stride)[:, :head_room] = 0xAB
+    hot.kv.copy_(torch.randn(hot.kv.shape, generator=torch.Generator().manual_seed(2)).to(hot.kv.dtype))
+    pages = hot.gather(list(range(3, 23)))   # 20 pages, 1.25 MiB: one call of 20 x 4 layers x K, V blocks
+    hot.save_to(list(range(3, 23)), warm, list(range(10, 30)))
+    assert torch.equal(warm.pages[10:30].view(torch.int16), pages.view(torch.int16))
+    hot.kv.zero_()
+    hot.load_from(list(range(20, 40)), warm, list(range(10, 30)))
+    assert torch.equal(hot.gather(list(range(20, 40))).view(torch.int16), pages.view(torch.int16))
+    assert not hot.gather(list(range(20))).view(torch.int16).any()
+    assert calls == [(20 * 4 * 2, 16 * 4 * 64 * 2)] * 5   # every copy above: gather, save, load, gathers
+    if head_room:
+        assert (warm.buffer.view(40, warm.stride)[:, :head_room] == 0xAB).all()
+
+
+def test_a_large_copy_to_a_target_off_a_cache_line_is_exact():
+    """A target that does not start on a 64-byte line is copied without streaming stores (memcpy),
+    exactly, and nothing before or after it is touched."""
+    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    room = torch.zeros((3 << 20) + 128, dtype=torch.uint8)
+    start = (8 - room.data_ptr()) % 64
+    copy_serial(room[start:start + (3 << 20)], src)
+    assert torch.equal(room[start:start + (3 << 20)], src)
+    assert not room[:start].any() and not room[start + (3 << 20):].any()
+
+
 def test_warm_head_room_lies_before_each_page_and_is_checked():
     spec = KVSpec(2, 1, 8, "float32", 4)   # 512-byte pages
     warm = HostTier(spec, 5, pin=False, head_room=128)
