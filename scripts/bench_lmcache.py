@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """kvstore's cold tier next to LMCache's storage backends, at the storage level, in one process.
 
-    python scripts/bench_lmcache.py [--tokens 4096] [--rounds 5] [--cache both] [--dir DIR]
+    python scripts/bench_lmcache.py [--tokens 4096] [--rounds 5] [--cache both] [--rereads 0] [--dir DIR]
 
 Run it with a Python that has both kvstore and LMCache (0.5.6) installed, e.g. a separate
 venv with the CPU build of torch, `lmcache==0.5.6` and `pip install -e .` of this repository.
@@ -28,8 +28,11 @@ Timed in every round, in an order that rotates from round to round:
                  into buffers from its allocator; no checksum)
 Each put writes a new store / a new directory (a fresh backend), kept until the end. The gets
 read what the round's puts wrote, with the page cache warm (just written), or, with --cache
-cold, after the files were evicted from the page cache (posix_fadvise DONTNEED). Every get is
-compared byte for byte with what was put (a mismatch exits 1).
+cold, after the files were evicted from the page cache (posix_fadvise DONTNEED). Each is a
+store's first read of those pages (kvstore's reader maps them on the way). With --rereads N,
+each system then reads the same store N more times (`get_reread`, `get_lmcache_reread`): a
+long-lived store reading a document again. Every get is compared byte for byte with what was
+put (a mismatch exits 1).
 os.sync() runs before each put, so no put pays for another's writeback.
 
 Reported: GB/s (1e9 bytes of KV a second) of each round and their median, and
@@ -269,6 +272,11 @@ def run(args: argparse.Namespace) -> dict:
                         record(f"{get_prefix}_{cache}" if len(caches) > 1 else get_prefix, timed(side.get))
                         side.check()
                     steps.append(get)
+                for _ in range(args.rereads):
+                    def reread():
+                        record(f"{get_prefix}_reread", timed(side.get))
+                        side.check()
+                    steps.append(reread)
             return steps
 
         for r in range(args.rounds + 1):   # round 0 warms up (first touch, thread pools); not counted
@@ -319,10 +327,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds, after one warm-up round")
     parser.add_argument("--cache", choices=("warm", "cold", "both"), default="both",
                         help="page cache state of the gets")
+    parser.add_argument("--rereads", type=int, default=0,
+                        help="reads of the same store after the first, each round (default 0)")
     parser.add_argument("--dir", help="work in a fresh subdirectory of DIR (removed afterwards)")
     args = parser.parse_args()
-    if args.tokens < CHUNK or args.rounds < 1:
-        parser.error("--tokens must be at least 256 and --rounds at least 1")
+    if args.tokens < CHUNK or args.rounds < 1 or args.rereads < 0:
+        parser.error("--tokens must be at least 256, --rounds at least 1 and --rereads at least 0")
     try:
         report = run(args)
     except Mismatch as exc:
