@@ -52,6 +52,21 @@ def import_or_unavailable(module: str):
         unavailable(f"{module} cannot be imported ({exc}); pip install -e '.[dev]' installs it")
 
 
+# The CPU flag each one-pass read of kvstore.pages.native_copy needs, by its level there (ONE_PASS).
+ONE_PASS_FLAGS = {2: "avx512f", 1: "avx2"}
+
+
+def one_pass_levels() -> list[int]:
+    """The one-pass read levels this CPU's flags (as Linux reports them in /proc/cpuinfo) allow,
+    widest first: the native copy must run each of them. None where the flags cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [level for level, flag in sorted(ONE_PASS_FLAGS.items(), reverse=True) if flag in flags]
+
+
 @pytest.fixture
 def mooncake_master(tmp_path):
     """A mooncake_master with its HTTP metadata server on free loopback ports, stopped after the test."""

@@ -8,12 +8,12 @@ AVX-512 or AVX2 a record is read once: each 64-byte stripe is loaded into regist
 (BENCHMARKS.md: "One pass"). Elsewhere the page is copied chunk by chunk, each chunk hashed
 right after it landed, with xxhash's own functions: the ones python-xxhash carries (its
 extension module exports xxhash's C functions; its `_dispatch` ones pick AVX2 or AVX-512 at run
-time): 1.4x the speed of the system's libxxhash
-0.8.1 on a page in L2 cache (BENCHMARKS.md), and always there. Where that module does not export
-them, the system's libxxhash (a dependency of apt on Debian and Ubuntu) is used. The library is
-built like the engine's kernels (kvstore.native). When neither xxhash nor a compiler can be had, or
-the native digest of a test buffer differs from python-xxhash's, `copier()` is None (one log line
-says why) and records are copied in Python, more slowly, with the same checks.
+time): 1.4x the speed of the system's libxxhash 0.8.1 on a page in L2 cache (BENCHMARKS.md), and
+always there. Where that module does not export them, the system's libxxhash (a dependency of apt
+on Debian and Ubuntu) is used. The library is built like the engine's kernels (kvstore.native).
+When neither xxhash nor a compiler can be had, or the native digest of a test buffer differs from
+python-xxhash's, `copier()` is None (one log line says why) and records are copied in Python,
+more slowly, with the same checks.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class NativeCopy:
         lib.kv_copy_hash.restype = ctypes.c_int
         lib.kv_copy_blocks.argtypes = [p, p, i64, i64]
         lib.kv_copy_blocks.restype = None
-        self.fused = lib.kv_copy_hash_fused_available()   # the widest one pass this CPU runs (ONE_PASS)
+        self.one_pass = lib.kv_copy_hash_fused_available()   # the widest one pass this CPU runs (ONE_PASS)
 
     def copy_blocks(self, dsts: np.ndarray, srcs: np.ndarray, nbytes: int) -> None:
         """nbytes from address srcs[i] to dsts[i] for every i (int64 arrays; the blocks must not
@@ -73,8 +73,8 @@ class NativeCopy:
                   one_pass: int | None = None) -> tuple[bytes, np.ndarray]:
         """Copy page i (nbytes at address srcs[i]) to dsts[i]; returns the xxh3-128 digest of each
         record's head (heads[i] up to srcs[i]) and copied page, 16 bytes each, and how each page was
-        read (READ_FUSED, READ_FILE or READ_MAP). With a one pass (`one_pass`, a key of ONE_PASS or 0
-        for none; default self.fused, and never wider), a record whose head and page are contiguous,
+        read (READ_ONE_PASS, READ_FILE or READ_MAP). With a one pass (`one_pass`, a key of ONE_PASS or 0
+        for none; default self.one_pass, and never wider), a record whose head and page are contiguous,
         bound for a 64-byte aligned target, is read in one pass. Any other
         page is copied in chunks of `chunk` bytes: with `lmdb_file` (fd, page size) the records are
         values in an LMDB map of that file (values[i]: where record i starts), and a page in LMDB's
@@ -85,7 +85,7 @@ class NativeCopy:
         how = np.zeros(n, np.uint8)
         fd, psize = lmdb_file or (-1, 0)
         arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (values, heads, srcs - heads, srcs, dsts)]
-        level = self.fused if one_pass is None else min(one_pass, self.fused)
+        level = self.one_pass if one_pass is None else min(one_pass, self.one_pass)
         rc = self.lib.kv_copy_hash(ctypes.addressof(self.functions), level, fd, psize, n,
                                    *(a.ctypes.data for a in arrays), nbytes, chunk, digests.ctypes.data,
                                    how.ctypes.data)
@@ -94,7 +94,7 @@ class NativeCopy:
         return digests.tobytes(), how
 
 
-READ_MAP, READ_FILE, READ_FUSED = 0, 1, 2   # how copy_hash read a page
+READ_MAP, READ_FILE, READ_ONE_PASS = 0, 1, 2   # how copy_hash read a page
 ONE_PASS = {2: "AVX-512", 1: "AVX2"}         # the one-pass reads, by the instruction set they use
 
 _lock = threading.Lock()
@@ -156,7 +156,7 @@ def _self_test(native: NativeCopy) -> None:
     """The native digest of a head and a page of each SELF_TEST_SIZES must be python-xxhash's, and the
     copy exact and within its target, read in chunks and in each one pass this CPU runs."""
     for head_bytes, page_bytes in SELF_TEST_SIZES:
-        for level in range(native.fused + 1):
+        for level in range(native.one_pass + 1):
             if not check_copy(native, head_bytes, page_bytes, level):
                 raise NotBuilt(f"the native checksummed copy disagrees with python-xxhash "
                                f"({ONE_PASS.get(level, 'chunked')}, {head_bytes} + {page_bytes} bytes)")
@@ -179,7 +179,7 @@ def check_copy(native: NativeCopy, head_bytes: int, page_bytes: int, one_pass: i
     fits = one_pass > 0 and page_bytes >= 128 and head_bytes + page_bytes > 240
     return (digest == xxhash.xxh3_128(data.tobytes()).digest() and np.array_equal(out, data[head_bytes:])
             and not (room[:start] != 0xA5).any() and not (room[start + page_bytes:] != 0xA5).any()
-            and (how[0] == READ_FUSED) == fits)
+            and (how[0] == READ_ONE_PASS) == fits)
 
 
 def main() -> int:

@@ -123,7 +123,7 @@ def _copy_checked(record, header: RecordHeader, out: np.ndarray) -> bool:
 
 
 def copy_payloads(jobs: Sequence[tuple[object, RecordHeader, object]],
-                  lmdb_file: tuple[int, int] | None = None, fused: bool = True) -> tuple[list[str | None], int]:
+                  lmdb_file: tuple[int, int] | None = None, one_pass: bool = True) -> tuple[list[str | None], int]:
     """The page of each (record, header whose read_header parsed it, out: a flat uint8 array or a
     contiguous CPU tensor of header.nbytes) copied out, its key derivation and the checksum of the
     bytes copied verified. Returns (for each job None where its page was copied,
@@ -132,7 +132,7 @@ def copy_payloads(jobs: Sequence[tuple[object, RecordHeader, object]],
 
     One native call for the batch where native_copy has one (the GIL released throughout), else
     one page at a time in Python; the same bytes are checked either way. The native call reads a
-    record in one pass where it can (NativeCopy.copy_hash; not with `fused` False). Any other page:
+    record in one pass where it can (NativeCopy.copy_hash; not with `one_pass` False). Any other page:
     with `lmdb_file` (fd, page size: the records are values in an LMDB map of that file), read from
     the file; a page whose checksum fails from the file is copied again from the map before it is
     refused. The records must stay valid (an LMDB read transaction open) until
@@ -152,7 +152,7 @@ def copy_payloads(jobs: Sequence[tuple[object, RecordHeader, object]],
     srcs = values + np.array([len(jobs[i][0]) for i in todo], np.int64) - nbytes
     heads = values + (PREFIX_BYTES - 4)
     dsts = np.array([_address(jobs[i][2]) for i in todo], np.int64)
-    digests, how = native.copy_hash(values, heads, srcs, dsts, nbytes, _COPY_CHUNK, lmdb_file, None if fused else 0)
+    digests, how = native.copy_hash(values, heads, srcs, dsts, nbytes, _COPY_CHUNK, lmdb_file, None if one_pass else 0)
     disagreed = 0
     for k, i in enumerate(todo):
         checksum = bytes(memoryview(jobs[i][0])[4:20])

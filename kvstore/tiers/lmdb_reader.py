@@ -29,8 +29,7 @@ from kvstore.tiers.lmdb_env import LmdbEnv
 log = logging.getLogger("kvstore.store")
 
 _SCAN_CHUNK = 4096              # records read per read transaction in scan() and sizes()
-_READ_THREAD_BYTES = 4 * MiB    # read_many uses a thread for each this many page bytes
-_RUN_BYTES = 8 * MiB            # a run: pages copied in one record.copy_payloads call
+_RUN_BYTES = 4 * MiB, 8 * MiB  # a run (pages copied in one record.copy_payloads call): its bounds
 K = TypeVar("K", bound=tuple)
 
 
@@ -62,22 +61,22 @@ class LmdbReader:
                   threads: int | None = None) -> list[bool]:
         """Several reads (key, namespace, tokens, spec fingerprint, out); True for each page copied.
 
-        The batch is cut into runs of about 8 MiB of pages, taken in turn by up to `threads`
-        threads (default: the reader's; at least 4 MiB of pages each): the caller's, and pool
-        threads that join as soon as they wake, each in its own read transaction. A thread that
-        starts late or copies slowly takes fewer runs, so all of them finish within about one run
-        of each other. Hashing and copying release the GIL, so the runs go in parallel. A False
-        leaves its target untouched, or zeroed when the checksum of what was copied failed.
+        The batch is cut into runs of 4 to 8 MiB of pages (as many as there are threads, where the
+        batch is small enough), taken in turn by up to `threads` threads (default: the reader's),
+        no more than there are runs: the caller's, and pool threads that join as soon as they wake,
+        each in its own read transaction. A thread that starts late or copies slowly takes fewer
+        runs, so all of them finish within about one run of each other. Hashing and copying
+        release the GIL, so the runs go in parallel. A False leaves its target untouched, or
+        zeroed when the checksum of what was copied failed.
         """
         page_bytes = self.spec.page_bytes
         targets = [read_target(req[4], page_bytes) for req in requests]
         ok = [False] * len(requests)
-        step = max(1, _RUN_BYTES // page_bytes)
-        per_thread = max(1, -(-_READ_THREAD_BYTES // page_bytes))
-        workers = min(threads or self.threads, -(-len(requests) // per_thread))
-        runs = _Runs(len(requests), step)
+        threads = threads or self.threads
+        smallest, largest = (max(1, bound // page_bytes) for bound in _RUN_BYTES)
+        runs = _Runs(len(requests), max(smallest, min(largest, -(-len(requests) // threads))))
         futures = [self._read_pool().submit(self._read_runs, requests, targets, ok, runs)
-                   for _ in range(workers - 1)]
+                   for _ in range(min(threads, runs.count) - 1)]
         try:
             self._read_runs(requests, targets, ok, runs)
         finally:
@@ -219,6 +218,7 @@ class _Runs:
         self._lock = threading.Lock()
         self._starts = iter(range(0, n, step))
         self._n, self._step = n, step
+        self.count = -(-n // step)
 
     def take(self) -> range | None:
         with self._lock:

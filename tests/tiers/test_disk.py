@@ -23,7 +23,7 @@ from kvstore.pages.record import RecordHeader
 from kvstore.pages.spec import KVSpec
 from kvstore.tiers.buffers import _sync_file_range, early_writeback
 from kvstore.tiers.disk import PAGES_DB, DiskTier
-from conftest import requires
+from conftest import one_pass_levels, requires
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = KVSpec(2, 2, 16, "float32", 16)  # 8 KiB pages
@@ -59,20 +59,19 @@ class Pages:
         return tier.read(h.key, self.ns.digest, h.tokens, self.spec.fingerprint, out), out
 
 
-@pytest.fixture(params=["AVX-512", "AVX2", "native", "python"])
+@pytest.fixture(params=[*(native_copy.ONE_PASS[level] for level in one_pass_levels()), "native", "python"])
 def copier(request, monkeypatch):
-    """Each read test four times: records read in one pass by the native copy (copy_hash.cpp) with
-    AVX-512 and with AVX2 (each skipped on a CPU without it, like the GPU tests), pages copied in
-    chunks by the native batch copy (with pread from data.mdb), and by Python one page at a time, as
-    where the native copy cannot be had."""
+    """Each read test in every way this machine reads a record: in one pass by the native copy
+    (copy_hash.cpp) with each instruction set the CPU has of AVX-512 and AVX2, pages copied in chunks
+    by the native batch copy (with pread from data.mdb), and by Python one page at a time, as where
+    the native copy cannot be had."""
     if request.param == "python":
         monkeypatch.setattr(native_copy, "_copier", None)
         return request.param
     requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
     level = {name: level for level, name in native_copy.ONE_PASS.items()}.get(request.param, 0)
-    if native_copy.copier().fused < level:
-        pytest.skip(f"this CPU has no {request.param}")
-    monkeypatch.setattr(native_copy.copier(), "fused", level)
+    assert native_copy.copier().one_pass >= level, f"the native copy does not run {request.param}, which this CPU has"
+    monkeypatch.setattr(native_copy.copier(), "one_pass", level)
     return request.param
 
 
@@ -282,7 +281,7 @@ def test_close_commits_queued_writes_and_is_idempotent(tmp_path):
         assert tier.num_pages == 50
 
 
-BIG = KVSpec(4, 8, 64, "float32", 16)   # 256 KiB pages: read_many splits 64 of them into 4 groups
+BIG = KVSpec(4, 8, 64, "float32", 16)   # 256 KiB pages: read_many cuts 64 of them into a run a thread
 BIG_NS = Namespace.for_spec("big", BIG)
 
 
@@ -368,64 +367,6 @@ def test_reads_from_the_file_that_disagree_with_the_map_fall_back_to_it(tmp_path
             tier.env.data_fd = fd
         assert not tier.reader._from_file and tier.corrupt == 0
         assert [r.levelname for r in caplog.records if "data.mdb" in r.getMessage()] == ["ERROR"]
-
-
-def test_native_copy_hashes_with_python_xxhash_or_else_the_systems_libxxhash(monkeypatch):
-    """xxhash's C functions come from python-xxhash's own extension module (always installed, and
-    faster than libxxhash 0.8.1); where that module does not export them, from the system's
-    libxxhash. Either way the native copy is exact and its digest equals python-xxhash's (the self-test)."""
-    import xxhash
-    requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
-    native = native_copy.copier()
-    assert native.xxh._name == xxhash._xxhash.__file__
-    monkeypatch.setattr(xxhash._xxhash, "__file__", "/nonexistent/_xxhash.so")
-    system = native_copy._xxhash_library()
-    assert "libxxhash" in system._name
-    native_copy._self_test(native_copy.NativeCopy(native.lib, system))   # raises NotBuilt if they disagree
-
-
-def test_native_copy_agrees_with_python_xxhash_at_every_alignment():
-    """The one-pass read computes xxh3 itself and puts each target line together from two of the
-    record's stripes: for heads of every length mod 64 and pages of whole stripes and not, its digest
-    is python-xxhash's and its copy exact, with nothing written past the target; a record too small
-    for it is read in chunks. Each one pass this CPU runs (AVX-512, AVX2) is checked, and the chunked
-    copy; where the CPU runs neither, the chunked copy alone."""
-    requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
-    native = native_copy.copier()
-    sizes = [(head, page) for head in range(0, 130) for page in (128, 129, 191, 192, 255, 1024, 1088, 4100)]
-    rng = np.random.default_rng(3)
-    sizes += [(int(rng.integers(0, 400)), int(rng.integers(1, 300_000))) for _ in range(100)]
-    wrong = [(level, head, page) for level in range(native.fused + 1) for head, page in sizes
-             if not native_copy.check_copy(native, head, page, level)]
-    assert wrong == []
-
-
-def test_native_copy_digest_changes_with_any_byte_of_the_record():
-    """A byte changed anywhere in a record (its head, the page's first and last stripes, the tail the
-    one-pass read delivers from its last registers) gives another digest: the damage is seen, and the
-    digest is python-xxhash's of the bytes as they are. Each one pass this CPU runs, and in chunks."""
-    import xxhash
-    requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
-    native = native_copy.copier()
-    head, page = 37, 737_280
-    data = np.random.default_rng(5).integers(0, 256, head + page, dtype=np.uint8)
-    out = torch.zeros(page, dtype=torch.uint8)
-    at = np.array([data.ctypes.data])
-
-    def digest(level: int) -> bytes:
-        found, how = native.copy_hash(at, at, at + head, np.array([out.data_ptr()]), page, 4096, one_pass=level)
-        assert torch.equal(out, torch.from_numpy(data[head:]))
-        assert how[0] == (native_copy.READ_FUSED if level else native_copy.READ_MAP)
-        return found
-    for level in range(native.fused + 1):
-        clean = digest(level)
-        assert clean == xxhash.xxh3_128(data.tobytes()).digest()
-        for at_byte in (0, head - 1, head, head + 63, head + page // 2, head + page - 129, head + page - 65,
-                        head + page - 1):
-            data[at_byte] ^= 0x10
-            changed = digest(level)
-            assert changed != clean and changed == xxhash.xxh3_128(data.tobytes()).digest(), (level, at_byte)
-            data[at_byte] ^= 0x10
 
 
 def test_a_target_off_a_cache_line_reads_exactly(tmp_path, copier):
