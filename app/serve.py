@@ -22,6 +22,7 @@ from aiohttp import web
 from app.api.config import Config
 from kvstore.config import add_config_options, config_from_args
 from kvstore.errors import ConfigError
+from kvstore.heap import freeze_startup
 
 SHUTDOWN_GRACE_S = 5.0
 
@@ -151,6 +152,7 @@ async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> Non
         await web.TCPSite(runner, config.server.host, config.server.port,
                           shutdown_timeout=SHUTDOWN_GRACE_S).start()
         await warm_up(engine, api)
+        freeze_startup("kvstore serve")   # full collections no longer walk the startup heap (kvstore.heap)
         engine.ready = True
         host, port = runner.addresses[0][:2]
         on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}", admin_url(runners[0]))

@@ -21,7 +21,9 @@ Then rounds, baseline and with-arrivals interleaved (B, W, B, W, ...):
                   until every one of them is answered
 ITL: for each stream, the time between consecutive chunks inside the window, split evenly over
 the tokens a chunk carries. Reported: p50, p99, mean and max ITL of each kind, the ratio
-p99 with arrivals / p99 baseline (goal <= 1.5), and what the arrivals found in cache.
+p99 with arrivals / p99 baseline (goal <= 1.5), what the arrivals found in cache, and the
+server's garbage collections over the whole run (`gc`: by generation, how many and the longest
+pause; the objects frozen at startup).
 
 The arrivals ask for one token: an 8K-token request that went on decoding would add its 8K-token
 attention to every step of every stream whatever tier its prefix came from (and the torch backend
@@ -294,6 +296,7 @@ async def bench(args, server: Server) -> dict:
                 await s.stop()
             await asyncio.sleep(0.3)   # the aborted streams leave the engine
         final = await (await session.get(server.admin + "/v1/stats")).json()
+        gc_pauses = collector_pauses(await (await session.get(server.admin + "/metrics")).text())
 
     base, with_ = summary(itl["baseline"]), summary(itl["with_arrivals"])
     ratio = with_["p99_ms"] / base["p99_ms"]
@@ -310,8 +313,23 @@ async def bench(args, server: Server) -> dict:
                      "latency_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
                      "latency_max_s": round(lat[-1], 3) if lat else None},
         "prefix_compute_s": round(compute_s, 2), "per_round": rounds,
-        "engine": final.get("engine"), "settings": args.settings,
+        "engine": final.get("engine"), "gc": gc_pauses, "settings": args.settings,
     }
+
+
+def collector_pauses(metrics: str) -> dict:
+    """The server's garbage collections (its /metrics kvstore_gc_*): by generation, how many, the
+    longest pause in ms; and the objects it froze at startup."""
+    out: dict = {"frozen_objects": None}
+    for line in metrics.splitlines():
+        m = re.fullmatch(r'kvstore_gc_(collections_total|longest_pause_seconds)\{generation="(\d)"\} (\S+)', line)
+        if m:
+            key = "collections" if m.group(1) == "collections_total" else "longest_pause_ms"
+            value = float(m.group(3))
+            out.setdefault(key, {})[m.group(2)] = int(value) if key == "collections" else round(value * 1e3, 1)
+        elif line.startswith("kvstore_gc_frozen_objects "):
+            out["frozen_objects"] = int(float(line.split()[1]))
+    return out
 
 
 def main() -> None:

@@ -15,6 +15,9 @@ pages written, pages cold refused) and kvstore_backpressure_* (producers that wa
 the pages they did not store); kvstore_dropped_pages_total{reason} counts pages that left the
 store with no copy below, every reason's series present from the start.
 
+The Python collector's pauses (kvstore.heap) are kvstore_gc_*: collections and the seconds they
+paused the process, by generation, the longest pause, and the objects frozen at startup.
+
 render() reads the store under its lock: async callers run it in the daemon's worker threads.
 It leaves out the `_created` series that prometheus_client adds to counters and histograms (the
 process-global switch disable_created_metrics() is not touched).
@@ -28,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore import heap
 from kvstore.movement.move_stats import DROP_REASONS
 from kvstore.placement.index import CACHE_TIERS
 
@@ -164,6 +168,30 @@ def remote_tier(r: dict) -> Iterable[Metric]:
                             value=r["read_latency_ms"] / 1000)
 
 
+class HeapCollector(Collector):
+    """The process's garbage-collector pauses (kvstore.heap.pauses()), read at scrape time."""
+
+    def __init__(self):
+        self.pauses = heap.pauses()
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self.pauses.snapshot()
+        families = (
+            (CounterMetricFamily, "kvstore_gc_collections", "Python garbage collections, by generation",
+             snap["collections"]),
+            (CounterMetricFamily, "kvstore_gc_pause_seconds", "Time the process spent in garbage collections, "
+             "by generation", snap["pause_seconds"]),
+            (GaugeMetricFamily, "kvstore_gc_longest_pause_seconds", "The longest garbage collection so far, by "
+             "generation", snap["longest_pause_seconds"]))
+        for kind, name, doc, values in families:
+            family = kind(name, doc, labels=["generation"])
+            for generation, value in values.items():
+                family.add_metric([str(generation)], value)
+            yield family
+        yield GaugeMetricFamily("kvstore_gc_frozen_objects", "Objects frozen out of garbage collection at "
+                                "startup", value=snap["frozen_objects"])
+
+
 class Metrics:
     """The admin API's /metrics: a registry of its own with the store collector, the histograms
     and the request and token counters.
@@ -176,6 +204,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = StoreCollector(store, engine)
         self.registry.register(self.collector)
+        self.registry.register(HeapCollector())
         self.prefetch_seconds = Histogram("kvstore_prefetch_seconds", "Time to bring a prefix up a tier",
                                           buckets=PREFETCH_BUCKETS, registry=self.registry)
         self.request_latency = Histogram("kvstore_request_latency_seconds", "Request time, arrival to last token",

@@ -39,6 +39,7 @@ from kvstore.pages.spec import KVSpec
 from kvstore.sidecar.protocol import one_line
 from kvstore.sidecar.server import BYTES_FRAME_BYTES, SidecarServer
 from kvstore.store.tiered import INDEX_WAIT_S, TieredStore
+from kvstore.heap import freeze_startup
 from kvstore.tiers.buffers import keep_write_buffers
 from kvstore.tiers.device import resolve_device
 
@@ -158,6 +159,7 @@ async def serve(config: Config, store: TieredStore, path: Path) -> int:
         raise
     log.info("warm tier: %d slots of %d bytes in shared memory %s; lease %g s",
              store.warm.num_slots, store.spec.page_bytes, store.warm.shm_name, config.sidecar.lease_s)
+    freeze_startup("kvstore sidecar")
     print(f"kvstore sidecar: admin API on {url}", flush=True)
     print(f"kvstore sidecar: ready on {path}", flush=True)
     await sidecar.stopped.wait()

@@ -5,6 +5,7 @@ test_metrics_rules."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import signal
 import sys
@@ -37,6 +38,8 @@ FAMILIES = {  # name as the parser reports it -> type
     "kvstore_write_behind_batches": "counter", "kvstore_write_behind_stranded_pages": "gauge",
     "kvstore_backpressure_waits": "counter", "kvstore_backpressure_wait_seconds": "counter",
     "kvstore_backpressure_refused_pages": "counter",
+    "kvstore_gc_collections": "counter", "kvstore_gc_pause_seconds": "counter",
+    "kvstore_gc_longest_pause_seconds": "gauge", "kvstore_gc_frozen_objects": "gauge",
 }
 DROP_REASONS = ("no_cold_tier", "cold_full", "write_error")
 WRITE_BEHIND = {  # sample -> store.stats()["write_behind"] field
@@ -80,9 +83,15 @@ def drops(samples) -> dict[str, float]:
 
 
 def read_together(store) -> tuple[dict, dict]:
-    """(the samples of /metrics, store.stats()) read under the store's lock, so that they agree."""
-    with store.core.lock:
-        return parse(Metrics(store).render().decode()), store.stats()
+    """(the samples of /metrics, store.stats()) read under the store's lock, so that they agree; the
+    collector is held off meanwhile, so that the lag of both reads is the same (a full collection in
+    the suite's large process took 50 ms between them)."""
+    gc.disable()
+    try:
+        with store.core.lock:
+            return parse(Metrics(store).render().decode()), store.stats()
+    finally:
+        gc.enable()
 
 
 def check_write_behind(samples, stats) -> dict:
@@ -327,6 +336,10 @@ async def test_serve_counts_prompt_and_cached_tokens(tmp_path):
                 return value(after, name, tier) - value(before, name, tier)
 
             assert delta("kvstore_prefix_cache_queries_total") == delta("kvstore_prompt_tokens_total") == 2 * prompt
+            # the startup heap was frozen once the server was ready; collections are counted by generation
+            assert after["kvstore_gc_frozen_objects"][()] > 10_000
+            collections = {dict(k)["generation"]: v for k, v in after["kvstore_gc_collections_total"].items()}
+            assert set(collections) == {"0", "1", "2"} and collections["0"] > 0
             assert delta("kvstore_generation_tokens_total") == sum(u["completion_tokens"] for u in usages) > 0
             first, second = (u["kvstore"]["cached_tokens"] for u in usages)
             assert sum(first.values()) == 0 and second["hot"] > 0   # the second request found the first's pages
