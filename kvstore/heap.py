@@ -14,10 +14,8 @@ GcPauses records every collection's duration by generation (gc.callbacks), for /
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
-import threading
 import time
 
 log = logging.getLogger("kvstore.heap")
@@ -30,8 +28,11 @@ def freeze_startup(what: str) -> int:
     `what`: the process, for the log line. That one collection, before the process serves, is not
     counted among GcPauses' (it is the startup's, and as long as the pauses the freeze removes)."""
     started = time.perf_counter()
-    with _PAUSES.skipping():
+    _PAUSES.skip = True
+    try:
         gc.collect()
+    finally:
+        _PAUSES.skip = False
     gc.freeze()
     frozen = gc.get_freeze_count()
     log.info("%s: froze %d objects of the startup heap (full collections skip them; collecting first took "
@@ -41,54 +42,38 @@ def freeze_startup(what: str) -> int:
 
 class GcPauses:
     """Collections by generation since install(): how many, their total and longest seconds. One
-    per process (`pauses()`); thread-safe (a collection runs on whichever thread triggered it)."""
+    per process (`pauses()`). A collection holds the GIL from its start callback to its stop
+    callback and collections never overlap, so one start time is enough and no lock is taken (a
+    lock here would deadlock: a snapshot's allocations may start a collection on its own thread)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._started: dict[int, float] = {}   # by thread: a collection runs on one thread at a time anyway
         self.count = {g: 0 for g in GENERATIONS}
         self.seconds = {g: 0.0 for g in GENERATIONS}
         self.longest = {g: 0.0 for g in GENERATIONS}
-        self.installed = False
-        self._skip = threading.local()
-
-    @contextlib.contextmanager
-    def skipping(self):
-        """Collections that the calling thread runs meanwhile are not counted."""
-        self._skip.on = True
-        try:
-            yield
-        finally:
-            self._skip.on = False
+        self.skip = False                  # freeze_startup's own collection is not counted
+        self._began: float | None = None   # the running collection's start, when counted
 
     def install(self) -> None:
-        with self._lock:
-            if not self.installed:
-                gc.callbacks.append(self._callback)
-                self.installed = True
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
 
     def _callback(self, phase: str, info: dict) -> None:
-        now, me = time.perf_counter(), threading.get_ident()
         if phase == "start":
-            if not getattr(self._skip, "on", False):
-                self._started[me] = now
+            self._began = None if self.skip else time.perf_counter()
             return
-        began = self._started.pop(me, None)
         g = info.get("generation")
-        if began is None or g not in self.count:
+        if self._began is None or g not in self.count:
             return
-        took = now - began
-        with self._lock:
-            self.count[g] += 1
-            self.seconds[g] += took
-            self.longest[g] = max(self.longest[g], took)
+        took = time.perf_counter() - self._began
+        self.count[g] += 1
+        self.seconds[g] += took
+        self.longest[g] = max(self.longest[g], took)
 
     def snapshot(self) -> dict:
         """{"collections": {gen: n}, "pause_seconds": {gen: s}, "longest_pause_seconds": {gen: s},
-        "frozen_objects": n}."""
-        with self._lock:
-            return {"collections": dict(self.count), "pause_seconds": dict(self.seconds),
-                    "longest_pause_seconds": dict(self.longest), "frozen_objects": gc.get_freeze_count()}
+        "frozen_objects": n} (a collection that the copying itself starts may land in some of them)."""
+        return {"collections": dict(self.count), "pause_seconds": dict(self.seconds),
+                "longest_pause_seconds": dict(self.longest), "frozen_objects": gc.get_freeze_count()}
 
 
 _PAUSES = GcPauses()

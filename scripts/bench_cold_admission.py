@@ -320,15 +320,16 @@ async def bench(args, server: Server) -> dict:
 def collector_pauses(metrics: str) -> dict:
     """The server's garbage collections (its /metrics kvstore_gc_*): by generation, how many, the
     longest pause in ms; and the objects it froze at startup."""
-    out: dict = {"frozen_objects": None}
-    for line in metrics.splitlines():
-        m = re.fullmatch(r'kvstore_gc_(collections_total|longest_pause_seconds)\{generation="(\d)"\} (\S+)', line)
-        if m:
-            key = "collections" if m.group(1) == "collections_total" else "longest_pause_ms"
-            value = float(m.group(3))
-            out.setdefault(key, {})[m.group(2)] = int(value) if key == "collections" else round(value * 1e3, 1)
-        elif line.startswith("kvstore_gc_frozen_objects "):
-            out["frozen_objects"] = int(float(line.split()[1]))
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict = {"collections": {}, "longest_pause_ms": {}, "frozen_objects": None}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "kvstore_gc_collections_total":
+                out["collections"][sample.labels["generation"]] = int(sample.value)
+            elif sample.name == "kvstore_gc_longest_pause_seconds":
+                out["longest_pause_ms"][sample.labels["generation"]] = round(sample.value * 1e3, 1)
+            elif sample.name == "kvstore_gc_frozen_objects":
+                out["frozen_objects"] = int(sample.value)
     return out
 
 

@@ -35,11 +35,11 @@ from pathlib import Path
 from kvstore.config import Config, format_size
 from kvstore.datadir import make_private_dirs
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.heap import freeze_startup
 from kvstore.pages.spec import KVSpec
 from kvstore.sidecar.protocol import one_line
 from kvstore.sidecar.server import BYTES_FRAME_BYTES, SidecarServer
 from kvstore.store.tiered import INDEX_WAIT_S, TieredStore
-from kvstore.heap import freeze_startup
 from kvstore.tiers.buffers import keep_write_buffers
 from kvstore.tiers.device import resolve_device
 
