@@ -22,7 +22,7 @@ from aiohttp import web
 from app.api.config import Config
 from kvstore.config import add_config_options, config_from_args
 from kvstore.errors import ConfigError
-from kvstore.heap import freeze_startup
+from kvstore.heap import frozen
 
 SHUTDOWN_GRACE_S = 5.0
 
@@ -152,11 +152,11 @@ async def run_serve(config: Config, on_ready: Callable[[str, str], None]) -> Non
         await web.TCPSite(runner, config.server.host, config.server.port,
                           shutdown_timeout=SHUTDOWN_GRACE_S).start()
         await warm_up(engine, api)
-        freeze_startup("kvstore serve")   # full collections no longer walk the startup heap (kvstore.heap)
-        engine.ready = True
-        host, port = runner.addresses[0][:2]
-        on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}", admin_url(runners[0]))
-        await stop.wait()
+        with frozen("kvstore serve"):   # full collections do not walk the startup heap (kvstore.heap)
+            engine.ready = True
+            host, port = runner.addresses[0][:2]
+            on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}", admin_url(runners[0]))
+            await stop.wait()
     finally:
         set_draining(admin)
         for runner in reversed(runners):   # the API first: no new requests, in-flight ones finish

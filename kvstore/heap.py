@@ -7,13 +7,16 @@ none of which ever becomes garbage: with the tiny model, `kvstore serve` paused 
 150-160 ms in each of those collections (two in a 40 s benchmark of cold admissions), and 5 ms
 once the startup heap was frozen (BENCHMARKS.md). So each process freezes its heap once it is
 ready (gc.freeze: those objects move to a permanent generation that no collection visits), as
-vLLM's engine core does. Objects made later are collected as before.
+vLLM's engine core does, and thaws it when it stops serving (`frozen`), so that a process that
+lives on (a test, a program that runs `kvstore job` in-process) collects it again. Objects made
+meanwhile are collected as before.
 
 GcPauses records every collection's duration by generation (gc.callbacks), for /metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -34,10 +37,26 @@ def freeze_startup(what: str) -> int:
     finally:
         _PAUSES.skip = False
     gc.freeze()
-    frozen = gc.get_freeze_count()
+    frozen = _PAUSES.frozen = gc.get_freeze_count()   # counted once: the call walks every frozen object
     log.info("%s: froze %d objects of the startup heap (full collections skip them; collecting first took "
              "%.0f ms)", what, frozen, (time.perf_counter() - started) * 1e3)
     return frozen
+
+
+def thaw() -> None:
+    """Undo freeze_startup: the frozen objects are collectable again (gc.unfreeze)."""
+    gc.unfreeze()
+    _PAUSES.frozen = 0
+
+
+@contextlib.contextmanager
+def frozen(what: str):
+    """The startup heap frozen while the block runs (a process serving), thawed after it."""
+    freeze_startup(what)
+    try:
+        yield
+    finally:
+        thaw()
 
 
 class GcPauses:
@@ -50,6 +69,7 @@ class GcPauses:
         self.count = {g: 0 for g in GENERATIONS}
         self.seconds = {g: 0.0 for g in GENERATIONS}
         self.longest = {g: 0.0 for g in GENERATIONS}
+        self.frozen = 0                    # objects freeze_startup froze (0 after thaw)
         self.skip = False                  # freeze_startup's own collection is not counted
         self._began: float | None = None   # the running collection's start, when counted
 
@@ -73,7 +93,7 @@ class GcPauses:
         """{"collections": {gen: n}, "pause_seconds": {gen: s}, "longest_pause_seconds": {gen: s},
         "frozen_objects": n} (a collection that the copying itself starts may land in some of them)."""
         return {"collections": dict(self.count), "pause_seconds": dict(self.seconds),
-                "longest_pause_seconds": dict(self.longest), "frozen_objects": gc.get_freeze_count()}
+                "longest_pause_seconds": dict(self.longest), "frozen_objects": self.frozen}
 
 
 _PAUSES = GcPauses()

@@ -14,7 +14,7 @@ from kvstore.server.metrics import HeapCollector
 def unfrozen():
     """Freezing in the test process would keep every later test's garbage: thaw afterwards."""
     yield
-    gc.unfreeze()
+    heap.thaw()
 
 
 class Node:
@@ -59,3 +59,10 @@ def test_the_collector_reports_them():
     collections = {s.labels["generation"]: s.value for s in families["kvstore_gc_collections"].samples
                    if s.name.endswith("_total")}
     assert set(collections) == {"0", "1", "2"} and collections["1"] > 0
+
+
+def test_frozen_thaws_when_the_block_ends():
+    with heap.frozen("a test"):
+        assert gc.get_freeze_count() > 0
+        assert heap.pauses().snapshot()["frozen_objects"] > 0
+    assert gc.get_freeze_count() == 0 and heap.pauses().snapshot()["frozen_objects"] == 0

@@ -14,7 +14,7 @@ import urllib.request
 
 from kvstore.config import add_config_options, config_from_args
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.heap import freeze_startup
+from kvstore.heap import frozen
 from app.job.io import AnswerLog, read_input, read_stats
 from app.job.progress import MODES, Progress
 
@@ -209,8 +209,8 @@ def run(args: argparse.Namespace) -> int:
                 runner = EngineRunner(llm, settings, on_document, progress, session, prefetch=not args.no_prefetch,
                                       sample_s=args.sample_interval)
             signals.install(runner.stop)
-            freeze_startup("kvstore job")   # full collections no longer walk the startup heap (kvstore.heap)
-            outcome = runner.run(job.documents, log.done)
+            with frozen("kvstore job"):   # full collections do not walk the startup heap (kvstore.heap)
+                outcome = runner.run(job.documents, log.done)
     finally:
         signals.restore()
         try:

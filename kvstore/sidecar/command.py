@@ -35,7 +35,7 @@ from pathlib import Path
 from kvstore.config import Config, format_size
 from kvstore.datadir import make_private_dirs
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.heap import freeze_startup
+from kvstore.heap import frozen
 from kvstore.pages.spec import KVSpec
 from kvstore.sidecar.protocol import one_line
 from kvstore.sidecar.server import BYTES_FRAME_BYTES, SidecarServer
@@ -159,10 +159,10 @@ async def serve(config: Config, store: TieredStore, path: Path) -> int:
         raise
     log.info("warm tier: %d slots of %d bytes in shared memory %s; lease %g s",
              store.warm.num_slots, store.spec.page_bytes, store.warm.shm_name, config.sidecar.lease_s)
-    freeze_startup("kvstore sidecar")
-    print(f"kvstore sidecar: admin API on {url}", flush=True)
-    print(f"kvstore sidecar: ready on {path}", flush=True)
-    await sidecar.stopped.wait()
+    with frozen("kvstore sidecar"):   # full collections do not walk the startup heap (kvstore.heap)
+        print(f"kvstore sidecar: admin API on {url}", flush=True)
+        print(f"kvstore sidecar: ready on {path}", flush=True)
+        await sidecar.stopped.wait()
     return 0
 
 

@@ -4,6 +4,7 @@ CPU, the tiny preset (random weights, byte tokenizer)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -139,6 +140,7 @@ def test_bad_lines_are_reported_with_their_line_numbers_and_skipped(tmp_path, ca
     assert [s["prompt_tokens"] for s in stats if s["id"] == "b"][0] == b_prompt   # read from the file
     text = (report / "report.md").read_text()
     assert "3 bad input line(s), skipped" in text and "- line 2: not valid JSON" in text and "- line 6:" in text
+    assert gc.get_freeze_count() == 0   # the job froze its startup heap while it ran, and thawed it after
 
 
 def test_fail_fast_stops_at_the_first_bad_line(tmp_path, capsys):

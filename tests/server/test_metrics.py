@@ -5,7 +5,6 @@ test_metrics_rules."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import re
 import signal
 import sys
@@ -83,15 +82,9 @@ def drops(samples) -> dict[str, float]:
 
 
 def read_together(store) -> tuple[dict, dict]:
-    """(the samples of /metrics, store.stats()) read under the store's lock, so that they agree; the
-    collector is held off meanwhile, so that the lag of both reads is the same (a full collection in
-    the suite's large process took 50 ms between them)."""
-    gc.disable()
-    try:
-        with store.core.lock:
-            return parse(Metrics(store).render().decode()), store.stats()
-    finally:
-        gc.enable()
+    """(the samples of /metrics, store.stats()) read under the store's lock, so that they agree."""
+    with store.core.lock:
+        return parse(Metrics(store).render().decode()), store.stats()
 
 
 def check_write_behind(samples, stats) -> dict:
