@@ -6,6 +6,7 @@ Also runnable as `python -m app.job.cli run ...`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import signal
 import sys
@@ -200,16 +201,19 @@ def run(args: argparse.Namespace) -> int:
                 from engine.tokenizer import load_tokenizer
                 progress.phase("loading the tokenizer", announce=True)
                 tokenizer = load_tokenizer(args.model or _served_model(args.url))
-                runner = HttpRunner(args.url, tokenizer, settings, on_document, progress, session,
-                                    concurrency=args.concurrency, page_size=config.page_size)
+                make_runner = functools.partial(HttpRunner, args.url, tokenizer, settings, on_document, progress,
+                                                session, concurrency=args.concurrency, page_size=config.page_size)
             else:
                 from engine import LLM
                 progress.phase(f"loading the model ({config.model})", announce=True)
                 llm = LLM(config.model, config=config)
-                runner = EngineRunner(llm, settings, on_document, progress, session, prefetch=not args.no_prefetch,
-                                      sample_s=args.sample_interval)
-            signals.install(runner.stop)
-            with frozen("kvstore job"):   # full collections do not walk the startup heap (kvstore.heap)
+                make_runner = functools.partial(EngineRunner, llm, settings, on_document, progress, session,
+                                                prefetch=not args.no_prefetch, sample_s=args.sample_interval)
+            # full collections do not walk the startup heap (kvstore.heap); frozen before the runner's
+            # clock starts, as the freeze's one collection takes a moment
+            with frozen("kvstore job"):
+                runner = make_runner()
+                signals.install(runner.stop)
                 outcome = runner.run(job.documents, log.done)
     finally:
         signals.restore()
