@@ -31,6 +31,7 @@ All methods run under the store's lock (TieredStore and PageIO call them); none 
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -222,7 +223,7 @@ class PageMover:
     def finish_read(self, plan: ReadPlan, ok: list[bool]) -> list[PageEntry]:
         """Index what was read into warm; a bad record is a counted miss, never served. Returns the
         entries now in warm from this plan, in order, up to the first failure."""
-        done, failed = [], False
+        done, failed, sources = [], False, Counter()
         for e, slot, src, good in zip(plan.entries, plan.slots, plan.sources, ok):
             self.reading.discard(slot)
             alive = e.key in self.index and self.stage not in e.where
@@ -233,11 +234,13 @@ class PageMover:
                 self.tiers[self.stage].evict([slot])
                 continue
             self.index.place(e, self.stage, slot)
-            self.count("hit", src)
-            self.count("promote", self.stage)
-            self.count("move", src, 1, self.stage)
             self.emit("add", e.key, self.stage)
+            sources[src] += 1
             done.append(e)
+        for src, n in sources.items():   # counted once a source, not three calls a page
+            self.count("hit", src, n)
+            self.count("promote", self.stage, n)
+            self.count("move", src, n, self.stage)
         return done
 
     def mark_corrupt(self, e: PageEntry, tier: str | None = None) -> None:

@@ -65,16 +65,16 @@ class KVSpec:
 
         return getattr(torch, self.dtype)
 
-    @property
+    @cached_property
     def itemsize(self) -> int:
         return DTYPES[self.dtype]
 
-    @property
+    @cached_property
     def token_bytes(self) -> int:
         """KV bytes per token: 2 (K,V) x layers x kv_heads x head_dim x itemsize."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         return self.token_bytes * self.page_size
 
