@@ -174,8 +174,12 @@ class EngineSide(CachingSide):
         if tier == "warm":   # as long-doc-qa: pages with a cold copy leave hot for cold only, so promote them
             self.store.evict(self.doc_keys, to="warm")
             self.store.promote(self.doc_keys, to="warm")
-        elif tier == "cold":   # out of hot and warm: the question loads them from LMDB (the OS page cache)
+        elif tier in ("cold", "disk"):   # out of hot and warm: the question loads them from LMDB
             self.store.evict(self.doc_keys, to="cold")
+            # "cold" reads through the OS page cache; "disk" from the file, the page cache dropped first
+            if tier == "disk" and not self.store.cold.drop_page_cache():
+                raise KVStoreError("this system gives no way to drop the cold tier's file from the page cache")
+            tier = "cold"
         else:                # a question from warm may have left them there (attended in place)
             self.store.promote(self.doc_keys, to="hot")
         m = self.store.match(prompt[:-1], self.store.namespace("document"))

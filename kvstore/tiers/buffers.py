@@ -54,7 +54,7 @@ _HUGE_PAGE = 2 * MiB
 _libc_madvise = None
 
 
-def _madvise():
+def libc_madvise():
     """libc's madvise(addr, length, advice), or None off Linux / glibc."""
     global _libc_madvise
     if _libc_madvise is None and platform.system() == "Linux":
@@ -75,7 +75,7 @@ def huge_page_buffer(nbytes: int, zero: bool = False) -> torch.Tensor:
     buf = torch.empty(span + _HUGE_PAGE, dtype=torch.uint8)
     start = round_up(buf.data_ptr(), _HUGE_PAGE) - buf.data_ptr()   # whole huge pages, 2 MiB aligned
     buf = buf[start:start + nbytes]
-    if nbytes >= _HUGE_PAGE and (madvise := _madvise()) is not None:
+    if nbytes >= _HUGE_PAGE and (madvise := libc_madvise()) is not None:
         madvise(buf.data_ptr(), span, _MADV_HUGEPAGE)
     if zero:
         buf.zero_()
@@ -98,7 +98,7 @@ class Populator:
     def __init__(self, buf: torch.Tensor, name: str):
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
-        madvise = _madvise()
+        madvise = libc_madvise()
         if madvise is None or buf.numel() * buf.element_size() < _POPULATE_CHUNK:
             return
         self.thread = threading.Thread(target=self._run, args=(madvise, buf), name=name, daemon=True)

@@ -241,6 +241,11 @@ class DiskTier(Tier):
         """Wait until every write queued before this call has committed (or failed)."""
         self.writer.flush(timeout)
 
+    def drop_page_cache(self) -> bool:
+        """Evict the tier's file from the OS page cache, so that the next reads come from the disk
+        (LmdbEnv.drop_page_cache: benchmarks of a cold read). False where the OS gives no way."""
+        return self.env.drop_page_cache()
+
     # --- the tier interface (handles: keys; reads and writes take RecordHeaders) --
 
     def contains(self, handles: Sequence[bytes]) -> list[bool]:

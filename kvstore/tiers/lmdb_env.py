@@ -20,6 +20,7 @@ import lmdb
 
 from kvstore.datadir import DIR_MODE
 from kvstore.errors import DamagedStore, KVStoreError
+from kvstore.tiers import buffers
 from kvstore.tiers.buffers import RemapLock
 from kvstore.tiers.lmdb_file import LmdbFile
 
@@ -28,6 +29,7 @@ QUARANTINE_DB = b"quarantine"
 META_DB = b"meta"
 TOTALS_KEY = b"totals"          # in `meta`: bytes and count of the records in `pages`
 _TOTALS = struct.Struct("<QQ")  # u64 LE bytes, u64 LE records
+_MADV_DONTNEED = 4              # madvise: drop the mapping's pages (they are read again on access)
 
 # errors liblmdb raises for a file it finds inconsistent (others: permissions, locks, resources)
 DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
@@ -103,12 +105,50 @@ class LmdbEnv:
             self.lmdb.set_mapsize(map_size)
         self.map_size = map_size
 
+    def drop_page_cache(self) -> bool:
+        """Evict data.mdb from the OS page cache, so that the next reads come from the disk (a cold
+        read, for benchmarks): the file's pages are first unmapped from this process (a mapped page
+        stays cached), then written back and dropped. Reads wait meanwhile. False where the OS gives
+        no way (no posix_fadvise, madvise or /proc/self/maps). A disk that a hypervisor caches may
+        still answer from the host's memory."""
+        madvise = buffers.libc_madvise()
+        if madvise is None or self.data_fd is None or not hasattr(os, "posix_fadvise"):
+            return False
+        with self._remap.exclusive():
+            ranges = _mapped_ranges(os.fstat(self.data_fd))
+            if ranges is None:
+                return False
+            for start, end in ranges:
+                madvise(start, end - start, _MADV_DONTNEED)
+            os.fdatasync(self.data_fd)
+            os.posix_fadvise(self.data_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+
     def close(self) -> None:
         with self._remap.exclusive():
             self.lmdb.close()
             if self.data_fd is not None:
                 os.close(self.data_fd)
                 self.data_fd = None
+
+
+def _mapped_ranges(st: os.stat_result) -> list[tuple[int, int]] | None:
+    """The address ranges of this process's mappings of the file `st` describes (/proc/self/maps;
+    None where there is none to read)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) >= 5 and fields[4] == str(st.st_ino):
+            major, minor = (int(x, 16) for x in fields[3].split(":"))
+            if os.makedev(major, minor) == st.st_dev:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                out.append((start, end))
+    return out
 
 
 class Totals:

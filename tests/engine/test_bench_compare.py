@@ -66,7 +66,7 @@ def test_compare_report(tmp_path):
     assert report["transformers"]["version"]
 
     sides = {"prefill": ("engine", "transformers"), "decode": ("engine", "transformers"),
-             "cached_prefix": ("engine", "engine_hot", "engine_cold", "transformers")}
+             "cached_prefix": ("engine", "engine_hot", "engine_cold", "engine_disk", "transformers")}
     for test, names in sides.items():
         t = report[test]
         for name in names:
@@ -85,9 +85,9 @@ def test_compare_report(tmp_path):
     assert report["prefill"]["engine"]["cached_tokens"] == report["decode"]["engine"]["cached_tokens"] == [0, 0, 0]
     c = report["cached_prefix"]
     assert c["engine"]["cached_tokens"] == c["engine_hot"]["cached_tokens"] == c["engine_cold"]["cached_tokens"] \
-        == [64, 64, 64]
+        == c["engine_disk"]["cached_tokens"] == [64, 64, 64]
     assert c["engine_tier"] == "warm" and positive(c["engine_hot_speedup_vs_transformers"])
-    assert positive(c["engine_cold_speedup_vs_transformers"])
+    assert positive(c["engine_cold_speedup_vs_transformers"]) and positive(c["engine_disk_speedup_vs_transformers"])
 
     # greedy tokens: every pair equal in every sequence (tiny's random weights: no near-ties)
     counts = {"prefill": (3, 3), "decode": (9, 108), "cached_prefix": (3, 3)}
