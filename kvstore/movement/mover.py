@@ -190,21 +190,25 @@ class PageMover:
         skipped; those in a slotted tier below warm are copied now."""
         plan = ReadPlan([], [], [], [])
         stage = self.tiers[self.stage]
-        chain = {x.key for x in entries}   # no page of this read is a victim of the room it makes
         for e in entries:
             if e.key not in self.index or self.top in e.where or self.stage in e.where:
                 continue
             src = next(iter(e.where), None)
-            if src is None or not self.make_room(self.stage, 1, chain):
+            if src is None:
                 break
-            [slot] = stage.alloc(1)
-            self.reading.add(slot)
+            plan.entries.append(e)
+            plan.sources.append(src)
+        # room for all of them at once (victims chosen once, not once a page); no page of this
+        # read is a victim of the room it makes. The leading ones that got a slot are read.
+        self.make_room(self.stage, len(plan.entries), {x.key for x in entries})
+        n = min(len(plan.entries), stage.pool.num_free)
+        del plan.entries[n:], plan.sources[n:]
+        plan.slots = stage.alloc(n) if n else []
+        self.reading.update(plan.slots)
+        for e, src, slot in zip(plan.entries, plan.sources, plan.slots):
             ok = None
             if src in self.memory:
                 ok = self.tiers[src].read_into([e.where[src]], stage, [slot]).result()[0]
-            plan.entries.append(e)
-            plan.slots.append(slot)
-            plan.sources.append(src)
             plan.ok.append(ok)
         return plan
 
