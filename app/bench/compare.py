@@ -13,9 +13,9 @@ cached_prefix  A --doc-tokens document cached before the rounds, then a --questi
                hot; `engine_cold`: evicted to cold before each question, read back from LMDB, its
                records checksummed, through the OS page cache; `engine_disk`: the same with the
                cold tier's file dropped from the page cache first, so the records come from the
-               disk, or from a hypervisor's cache of it: no goal), transformers with the document's DynamicCache computed once and deep-copied
-               for each question (the copy is timed, as a user would have to), vLLM with its own
-               prefix cache.
+               disk, or from a hypervisor's cache of it: no goal), transformers with the
+               document's DynamicCache computed once and deep-copied for each question (the copy
+               is timed, as a user would have to), vLLM with its own prefix cache.
 
 The greedy tokens of every pair of contenders are compared, test by test. Each contender has
 --threads threads: torch.set_num_threads in this process for the engine and transformers,

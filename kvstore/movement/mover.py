@@ -188,28 +188,22 @@ class PageMover:
         """Warm slots for those of `entries` (a chain, in order) that are only in lower tiers; stops
         at the first page that is gone or finds no warm room. Pages already in hot or warm are
         skipped; those in a slotted tier below warm are copied now."""
-        plan = ReadPlan([], [], [], [])
-        stage = self.tiers[self.stage]
+        plan, stage = ReadPlan([], [], [], []), self.tiers[self.stage]
         for e in entries:
             if e.key not in self.index or self.top in e.where or self.stage in e.where:
                 continue
-            src = next(iter(e.where), None)
-            if src is None:
+            if not e.where:
                 break
             plan.entries.append(e)
-            plan.sources.append(src)
-        # room for all of them at once (victims chosen once, not once a page); no page of this
-        # read is a victim of the room it makes. The leading ones that got a slot are read.
+            plan.sources.append(next(iter(e.where)))
+        # room for all at once (victims chosen once, none of them this read's); the leading ones get slots
         self.make_room(self.stage, len(plan.entries), {x.key for x in entries})
         n = min(len(plan.entries), stage.pool.num_free)
         del plan.entries[n:], plan.sources[n:]
         plan.slots = stage.alloc(n) if n else []
         self.reading.update(plan.slots)
-        for e, src, slot in zip(plan.entries, plan.sources, plan.slots):
-            ok = None
-            if src in self.memory:
-                ok = self.tiers[src].read_into([e.where[src]], stage, [slot]).result()[0]
-            plan.ok.append(ok)
+        plan.ok = [self.tiers[src].read_into([e.where[src]], stage, [slot]).result()[0] if src in self.memory
+                   else None for e, src, slot in zip(plan.entries, plan.sources, plan.slots)]
         return plan
 
     def read(self, plan: ReadPlan) -> list[bool]:
