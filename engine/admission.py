@@ -155,8 +155,11 @@ class Admission:
         """Hold req's cached prefix. A request that would run alone and cannot fit lets go of its
         load's warm pages (they stay cached), then leases its oldest pages in warm (spill), and
         failing that holds nothing and recomputes its prefix: alone, it always starts."""
+        room = self._warm_room(m, running)
         try:
-            req.handle.attach(m, spill_room=self._warm_room(m, running))
+            req.handle.attach(m, spill_room=room)
+            if room is not None and m.keys and not req.handle.num_pages:   # warm had no room for the copies
+                req.handle.attach(m)
             return True
         except OutOfCapacity as exc:
             if running or exc.pending:
@@ -174,13 +177,19 @@ class Admission:
 
     def _warm_room(self, m: Match, running: Sequence[Request]) -> int | None:
         """With warm_in_place: attach's spill_room that leaves the match's leading pages in warm (leased
-        and attended there, not copied to hot), while the running requests' leases stay within half
-        of warm; None (everything to hot) otherwise."""
+        and attended there, not copied to hot), while the pages the running requests lease stay within
+        half of warm; None (everything to hot) otherwise. The leading pages run to the last one in warm
+        before a page in neither tier; those of them in hot get warm copies, so they are leased when
+        fewer are in hot than in warm (eviction keeps a chain's head in hot and sends its tail to warm:
+        the short head is copied down instead of the long tail up, and no other prefix leaves hot)."""
         if not self.warm_in_place:
             return None
-        lead = next((i for i, t in enumerate(m.tiers) if t != "warm"), len(m.tiers))
-        leased = sum(len(r.handle.spilled) for r in running)
-        if not lead or leased + lead > self.store.warm.num_slots // 2:
+        memory = next((i for i, t in enumerate(m.tiers) if t not in ("hot", "warm")), len(m.tiers))
+        lead = max((i + 1 for i, t in enumerate(m.tiers[:memory]) if t == "warm"), default=0)
+        if 2 * m.tiers[:lead].count("warm") <= lead:
+            return None
+        leased = {k for r in running for k in r.handle.keys[:len(r.handle.spilled)]}   # a page leased twice counts once
+        if len(leased) + sum(k not in leased for k in m.keys[:lead]) > self.store.warm.num_slots // 2:
             return None
         return len(m.keys) - lead
 

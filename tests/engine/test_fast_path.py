@@ -121,3 +121,39 @@ def test_a_prefix_in_warm_is_attended_where_it_lies(tmp_path):
     assert fast.store.audit()["problems"] == []
     for llm in (ref, fast):
         llm.close()
+
+
+@pytest.mark.parametrize("head", [2, 8])
+def test_a_prefix_whose_head_is_in_hot_and_tail_in_warm(tmp_path, head):
+    """native on the CPU: a prefix whose head is in hot and tail in warm (where eviction leaves a chain)
+    is leased in warm when most of it is there (the head copied down, nothing copied up), else copied
+    up to hot; either way the answer is the reference engine's."""
+    from kvstore.pages.keys import page_keys
+    common = dict(dtype="float32", hot__device="cpu", page_size=16)
+    ref = LLM("small", attention_backend="torch", prepack_weights="false", data_dir=str(tmp_path / "ref"), **common)
+    fast = LLM("small", attention_backend="native", data_dir=str(tmp_path / "fast"), **common)
+    g = torch.Generator().manual_seed(3)
+    doc = torch.randint(10, 8000, (160,), generator=g).tolist()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    fast.generate([doc], SamplingParams(max_tokens=1))
+    keys = page_keys(fast.store.namespace(""), doc, 16)[:10]
+    fast.store.evict(keys[head:], to="warm")
+    fast.store.promote(keys[head:], to="warm")
+    assert fast.store.match(doc, fast.store.namespace("")).tiers == ["hot"] * head + ["warm"] * (10 - head)
+    moved = fast.store.stats()["bytes_moved"]
+    question = doc + torch.randint(10, 8000, (20,), generator=g).tolist()
+    req = fast.make_request(question, params)
+    fast.submit(req)
+    fast.step()
+    in_warm = head < 5
+    assert len(req.handle.spilled) == (10 if in_warm else 0)
+    assert req.cached_tokens["hot"] == 16 * head and req.cached_tokens["warm"] == 16 * (10 - head)
+    now = fast.store.stats()["bytes_moved"]
+    assert (now["warm_to_hot"] == moved["warm_to_hot"]) == in_warm
+    assert (now["hot_to_warm"] > moved["hot_to_warm"]) == in_warm
+    while fast.has_work():
+        fast.step()
+    assert req.output().token_ids == ref.generate([question], params)[0].token_ids
+    assert fast.store.audit()["problems"] == []
+    for llm in (ref, fast):
+        llm.close()
