@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -138,6 +139,9 @@ class InvalidBody(Exception):
 M = TypeVar("M", bound=BaseModel)
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9_-]{1,40}")   # a key shown as it is in a field's path
+
+
 def short(value: Any) -> str:
     try:
         text = json.dumps(value) if not isinstance(value, str) else repr(value)
@@ -147,9 +151,16 @@ def short(value: Any) -> str:
 
 
 def _path(loc: tuple) -> str:
+    """Where a field is: messages[0].content, logit_bias.50256; a key the client chose that is not
+    a plain name is quoted (logit_bias['\\n']), so that the message stays one line."""
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _PLAIN.fullmatch(str(part)):
+            out += f"[{short(str(part))}]"
+        else:
+            out += f".{part}" if out else str(part)
     return out
 
 
