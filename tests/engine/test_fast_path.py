@@ -93,23 +93,29 @@ def test_fast_engine_gives_the_reference_engines_tokens(tmp_path, backend):
         llm.close()
 
 
-def test_a_prefix_in_warm_is_attended_where_it_lies(tmp_path):
-    """native on the CPU: a cached prefix in warm is leased there and read in place (nothing copied to
-    hot, no hot slot held for it), and the answer is the one the reference engine gives."""
+def _warm_prefix_engines(tmp_path, seed: int):
+    """The reference engine and a native one that has computed a 160-token document (10 pages in
+    hot), its page keys, a question over the document and the answer's sampling parameters."""
     from kvstore.pages.keys import page_keys
     common = dict(dtype="float32", hot__device="cpu", page_size=16)
     ref = LLM("small", attention_backend="torch", prepack_weights="false", data_dir=str(tmp_path / "ref"), **common)
     fast = LLM("small", attention_backend="native", data_dir=str(tmp_path / "fast"), **common)
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seed)
     doc = torch.randint(10, 8000, (160,), generator=g).tolist()
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
     fast.generate([doc], SamplingParams(max_tokens=1))
     keys = page_keys(fast.store.namespace(""), doc, 16)[:10]
+    question = doc + torch.randint(10, 8000, (20,), generator=g).tolist()
+    return ref, fast, doc, keys, question, SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def test_a_prefix_in_warm_is_attended_where_it_lies(tmp_path):
+    """native on the CPU: a cached prefix in warm is leased there and read in place (nothing copied to
+    hot, no hot slot held for it), and the answer is the one the reference engine gives."""
+    ref, fast, doc, keys, question, params = _warm_prefix_engines(tmp_path, seed=2)
     fast.store.evict(keys, to="warm")
     fast.store.promote(keys, to="warm")
     assert fast.store.match(doc, fast.store.namespace("")).tiers == ["warm"] * 10
     moved = fast.store.stats()["bytes_moved"]["warm_to_hot"]
-    question = doc + torch.randint(10, 8000, (20,), generator=g).tolist()
     req = fast.make_request(question, params)
     fast.submit(req)
     fast.step()                                        # admitted: the prefix leased in warm
@@ -128,20 +134,11 @@ def test_a_prefix_whose_head_is_in_hot_and_tail_in_warm(tmp_path, head):
     """native on the CPU: a prefix whose head is in hot and tail in warm (where eviction leaves a chain)
     is leased in warm when most of it is there (the head copied down, nothing copied up), else copied
     up to hot; either way the answer is the reference engine's."""
-    from kvstore.pages.keys import page_keys
-    common = dict(dtype="float32", hot__device="cpu", page_size=16)
-    ref = LLM("small", attention_backend="torch", prepack_weights="false", data_dir=str(tmp_path / "ref"), **common)
-    fast = LLM("small", attention_backend="native", data_dir=str(tmp_path / "fast"), **common)
-    g = torch.Generator().manual_seed(3)
-    doc = torch.randint(10, 8000, (160,), generator=g).tolist()
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    fast.generate([doc], SamplingParams(max_tokens=1))
-    keys = page_keys(fast.store.namespace(""), doc, 16)[:10]
+    ref, fast, doc, keys, question, params = _warm_prefix_engines(tmp_path, seed=3)
     fast.store.evict(keys[head:], to="warm")
     fast.store.promote(keys[head:], to="warm")
     assert fast.store.match(doc, fast.store.namespace("")).tiers == ["hot"] * head + ["warm"] * (10 - head)
     moved = fast.store.stats()["bytes_moved"]
-    question = doc + torch.randint(10, 8000, (20,), generator=g).tolist()
     req = fast.make_request(question, params)
     fast.submit(req)
     fast.step()

@@ -1,5 +1,6 @@
 """DiskTier (cold tier) against a real LMDB in a temp dir: reads and writes, durability, damage, scans,
-parallel reads. Its room (byte limit, map growth, totals in `meta`) is in test_disk_space."""
+parallel reads. Its room (byte limit, map growth, totals in `meta`) is in test_disk_space; its file and
+the OS (early writeback, the page cache dropped) in test_disk_os."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import lmdb
@@ -21,7 +21,6 @@ from kvstore.pages import native_copy, record
 from kvstore.pages.keys import Namespace, page_keys, tokens_bytes
 from kvstore.pages.record import RecordHeader
 from kvstore.pages.spec import KVSpec
-from kvstore.tiers.buffers import _sync_file_range, early_writeback
 from kvstore.tiers.disk import PAGES_DB, DiskTier
 from conftest import one_pass_levels, requires
 
@@ -399,60 +398,3 @@ def test_small_pages_inline_in_lmdb_pages_read_exactly(tmp_path, copier):
         assert all(torch.equal(o, p) for o, p in zip(outs, pages.payloads))
         assert tier.corrupt == 0
         assert tier.reader._from_file   # no page came wrong from the file
-
-
-def test_early_writeback_stops_with_its_block(tmp_path):
-    requires(_sync_file_range() is not None, "needs sync_file_range (Linux)")
-    path = tmp_path / "f"
-    path.write_bytes(b"x")
-    with early_writeback(str(path), interval=0.001):
-        with open(path, "ab") as f:
-            f.write(os.urandom(1 << 20))
-        assert any(t.name == "kvstore-cold-writeback" for t in threading.enumerate())
-    assert not any(t.name == "kvstore-cold-writeback" for t in threading.enumerate())
-    with early_writeback(str(tmp_path / "missing")):   # nothing to write back: a no-op
-        pass
-
-
-def _resident_pages(path) -> int:
-    """Pages of the file at `path` in the OS page cache (mincore over a private mapping of it)."""
-    import ctypes
-    import mmap
-    size = os.path.getsize(path)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
-                                          prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
-        pages = -(-size // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * pages)()
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
-        return sum(v & 1 for v in vec)
-
-
-def test_drop_page_cache_leaves_the_file_to_the_disk(tmp_path, copier):
-    """After drop_page_cache the tier's file has no more pages in the page cache than a plain file
-    the OS was asked to drop (none, on a disk filesystem; a memory filesystem keeps both), though
-    the tier had just read them through its map, and every page still reads exactly."""
-    pages = Pages(64)
-    plain = tmp_path / "plain"
-    plain.write_bytes(os.urandom(64 * SPEC.page_bytes))
-    with open(plain, "rb") as f:
-        f.read()
-        os.fdatasync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    floor = _resident_pages(plain) / -(-os.path.getsize(plain) // 4096)   # what the filesystem keeps
-    with open_tier(tmp_path / "cold") as tier:
-        tier.put_many(pages.items()).result(timeout=10)
-        outs = [torch.zeros(SPEC.page_bytes, dtype=torch.uint8) for _ in range(64)]
-        requests = [(h.key, NS.digest, h.tokens, SPEC.fingerprint, o) for h, o in zip(pages.headers, outs)]
-        assert all(tier.read_many(requests))   # mapped in and cached
-        data = tmp_path / "cold" / "data.mdb"
-        used = tier.env.lmdb.info()["last_pgno"] + 1
-        assert _resident_pages(data) >= used * 0.9
-        assert tier.drop_page_cache() is True
-        assert _resident_pages(data) <= max(floor * os.path.getsize(data) / 4096, 0) + 4
-        for o in outs:
-            o.zero_()
-        assert all(tier.read_many(requests))
-        assert all(torch.equal(o, p) for o, p in zip(outs, pages.payloads))
