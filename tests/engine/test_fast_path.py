@@ -154,3 +154,30 @@ def test_a_prefix_whose_head_is_in_hot_and_tail_in_warm(tmp_path, head):
     assert fast.store.audit()["problems"] == []
     for llm in (ref, fast):
         llm.close()
+
+
+def test_a_prefix_leased_in_warm_goes_to_hot_when_warm_cannot_take_its_head(tmp_path):
+    """native on the CPU: a prefix mostly in warm whose hot head cannot get warm copies (every free warm
+    slot taken) is not left unheld: it is attached in hot (its tail copied up) and the answer is the
+    reference engine's."""
+    ref, fast, doc, keys, question, params = _warm_prefix_engines(tmp_path, seed=4)
+    fast.store.evict(keys[2:], to="warm")
+    fast.store.promote(keys[2:], to="warm")
+    assert fast.store.match(doc, fast.store.namespace("")).tiers == ["hot"] * 2 + ["warm"] * 8
+    warm = fast.store.warm
+    taken = warm.pool.alloc(warm.pool.num_free)   # no free warm slot: the head gets no warm copy
+    moved = fast.store.stats()["bytes_moved"]
+    req = fast.make_request(question, params)
+    fast.submit(req)
+    fast.step()
+    assert not req.handle.spilled                      # held in hot, not leased in warm
+    assert req.cached_tokens["hot"] == 32 and req.cached_tokens["warm"] == 128
+    now = fast.store.stats()["bytes_moved"]
+    assert now["warm_to_hot"] > moved["warm_to_hot"] and now["hot_to_warm"] == moved["hot_to_warm"]
+    while fast.has_work():
+        fast.step()
+    assert req.output().token_ids == ref.generate([question], params)[0].token_ids
+    warm.pool.free(taken)
+    assert fast.store.audit()["problems"] == []
+    for llm in (ref, fast):
+        llm.close()
