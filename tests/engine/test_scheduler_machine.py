@@ -55,6 +55,8 @@ def reference(prompt: int, max_tokens: int) -> list[int]:
 
 
 class EngineMachine(RuleBasedStateMachine):
+    backend = "torch"   # the exactness reference; it copies a prefix in warm up to hot
+
     def __init__(self):
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="kvstore-em-")
@@ -70,7 +72,8 @@ class EngineMachine(RuleBasedStateMachine):
           eviction=st.sampled_from(["lru", "prefix_aware"]))
     def open(self, policy, prefetch, eviction):
         # 8 hot pages, 8 warm: a few requests at a time, preemptions and spills
-        self.llm = make_llm(self.dir, hot__pool="64KiB", warm__bytes="64KiB", scheduler__policy=policy,
+        self.llm = make_llm(self.dir, attention_backend=self.backend, hot__pool="64KiB", warm__bytes="64KiB",
+                            scheduler__policy=policy,
                             prefetch__policy=prefetch, prefetch__timeout_s="0.01", eviction_policy=eviction,
                             prefill_chunk_tokens=32, check_invariants=True)
         sched = self.llm.scheduler
@@ -168,3 +171,14 @@ class EngineMachine(RuleBasedStateMachine):
 EngineMachine.TestCase.settings = settings(max_examples=15, stateful_step_count=30, deadline=None,
                                            suppress_health_check=list(HealthCheck))
 TestEngineMachine = pytest.mark.timeout(900)(EngineMachine.TestCase)   # a slow example runs the model a lot
+
+
+class NativeEngineMachine(EngineMachine):
+    """The same machine on the CPU's own kernel (what `auto` picks without a GPU): a cached prefix mostly
+    in warm is leased and attended there (admission's warm_in_place), its hot head copied down; the tokens
+    are still those of the reference backend's run alone."""
+    backend = "native"
+
+
+NativeEngineMachine.TestCase.settings = EngineMachine.TestCase.settings
+TestNativeEngineMachine = pytest.mark.timeout(900)(NativeEngineMachine.TestCase)
