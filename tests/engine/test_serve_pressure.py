@@ -39,7 +39,7 @@ NEW_EVERY = 3               # requests per new prompt
 PREFIX_WORDS = 50
 SEED = 20240
 SERVE_SETTINGS = {"hot.pool": "512KiB", "warm.bytes": "512KiB", "max_seq_len": "1024",
-                  "hot.device": "cpu"}      # the exact (torch, fp32) backend: answers compare token for token
+                  "hot.device": "cpu"}      # fp32 on the CPU, the reference on the same backend: token for token
 REQUEST_TIMEOUT_S = 30
 THREADS = 1                 # torch threads, here and in the server: fast small ops, the same numerics
 READY_TIMEOUT_S = 120
