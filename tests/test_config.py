@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -66,6 +67,15 @@ def test_the_store_alone_loads_its_own_tree():
 def test_env_names_are_derived_from_paths():
     assert env_name("hot.pool") == "KVSTORE_HOT_POOL"
     assert env_name("page_size") == "KVSTORE_PAGE_SIZE"
+
+
+def test_the_test_scripts_variables_are_accepted():
+    """Every KVSTORE_ variable scripts/test reads may be set while kvstore runs (the suite runs the
+    store in its process): KVSTORE_TEST_SGLANG=0 was refused as an unknown variable."""
+    names = set(re.findall(r"\$\{(KVSTORE_[A-Z_]+)", (REPO / "scripts" / "test").read_text()))
+    assert {"KVSTORE_TEST_VLLM", "KVSTORE_TEST_SGLANG"} <= names
+    for name in names:
+        store_config.load_config(env={name: "0"})
 
 
 def test_parse_set():
