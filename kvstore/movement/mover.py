@@ -121,9 +121,9 @@ class PageMover:
             self.emit("add", e.key, dst)
 
     # up, at memory speed
-    def ensure(self, e: PageEntry, tier: str) -> bool:
-        """Give e a copy in hot (from warm) or in warm (from hot). False when the other holds none
-        (load it first: PageIO) or, for warm, has no room; raises OutOfCapacity when hot has none."""
+    def ensure(self, e: PageEntry, tier: str, keep: set | None = None) -> bool:
+        """Give e a copy in hot (from warm) or in warm (from hot; making room moves no key of `keep`). False when the
+        other holds none (load it first: PageIO) or, for warm, has no room; OutOfCapacity when hot has none."""
         if tier in e.where:
             self.count("hit", tier)
             return True
@@ -138,7 +138,7 @@ class PageMover:
                                     f"hot pages are referenced, pinned, allocated or waiting for write-behind "
                                     f"({dirty})", pending=dirty > 0)
             self.count("hit", src)
-        elif not self.make_room(tier, 1, {e.key}):
+        elif not self.make_room(tier, 1, keep or {e.key}):
             return False
         self.copy([e], src, tier, self.tiers[tier].alloc(1))
         if tier == self.top:
@@ -173,8 +173,8 @@ class PageMover:
         self.count("promote", self.top, len(need))
         return {e.key for e in need}
 
-    def ensure_warm_copy(self, e: PageEntry) -> bool:
-        return self.ensure(e, self.stage)
+    def ensure_warm_copy(self, e: PageEntry, keep: set | None = None) -> bool:
+        return self.ensure(e, self.stage, keep)
 
     def page_bytes(self, e: PageEntry) -> bytes | None:
         """A page-first byte copy of e's page from memory (None when it is only in I/O tiers)."""

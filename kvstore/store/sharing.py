@@ -134,23 +134,18 @@ class WarmSharing:
 
     def lease_in_memory(self, keys: Sequence[bytes]) -> list[int]:
         """lease_warm at memory speed: stops at the first page that is only in cold (never reads the disk).
-        The pages already in warm are held first, so that the room made for the others' copies (pages
-        only in hot) never sends one of them down."""
+        The room made for the copies of pages only in hot never sends another page of `keys` down."""
         slots: list[int] = []
+        keep = set(keys)
         with self.core.lock:
-            entries = [self.index.get(key) for key in keys]
-            held = [e for e in entries if e is not None and e.warm is not None]
-            for e in held:
-                e.leases += 1
-            for e in entries:
-                if e is None or not self.mover.ensure_warm_copy(e):
+            for key in keys:
+                e = self.index.get(key)
+                if e is None or not self.mover.ensure_warm_copy(e, keep):
                     break
                 e.leases += 1
                 e.hits += 1
                 self.index.touch(e)
                 slots.append(e.warm)
-            for e in held:
-                e.leases -= 1
         return slots
 
     def release_warm(self, slots: Sequence[int]) -> None:

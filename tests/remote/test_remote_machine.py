@@ -44,6 +44,12 @@ def server(tmp_path_factory):
     _server = None
 
 
+def flipped(value: bytes) -> bytes:
+    """value with its middle byte inverted."""
+    i = len(value) // 2
+    return value[:i] + bytes([value[i] ^ 0xFF]) + value[i + 1:]
+
+
 class RemoteMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
@@ -51,7 +57,6 @@ class RemoteMachine(RuleBasedStateMachine):
         self.prefix = f"rm{uuid.uuid4().hex[:8]}:"
         self.stores = {}
         self.client = redis.Redis(host="127.0.0.1", port=_server.port)
-        self.fetches = 0
 
     @initialize()
     def open(self):
@@ -86,7 +91,6 @@ class RemoteMachine(RuleBasedStateMachine):
     def fetch(self, name, doc):
         local, added = self.stores[name].fetch_remote(DOCS[doc], self.ns)
         assert 0 <= local and 0 <= added and local + added <= len(DOCS[doc]) // PS
-        self.fetches += 1
 
     def intact(self, doc: int, page: int) -> bytes:
         """The record a store writes for page `page` of document `doc` (its content depends only on its key)."""
@@ -102,8 +106,7 @@ class RemoteMachine(RuleBasedStateMachine):
         byte) or is another page's intact record: the fetch stops before that page."""
         store, remote = self.stores[name], self.remote_key(self.keys(doc)[page])
         if how == "flip":
-            good = self.intact(doc, page)
-            planted = good[:len(good) // 2] + bytes([good[len(good) // 2] ^ 0xFF]) + good[len(good) // 2 + 1:]
+            planted = flipped(self.intact(doc, page))
         else:
             planted = self.intact(doc, (page + 1) % 3)
         self.client.set(remote, planted)
@@ -133,8 +136,7 @@ class RemoteMachine(RuleBasedStateMachine):
         if value is None:
             return
         if how == "flip":
-            i = len(value) // 2
-            self.client.set(name, value[:i] + bytes([value[i] ^ 0xFF]) + value[i + 1:])
+            self.client.set(name, flipped(value))
         elif how == "cut":
             self.client.set(name, value[:len(value) // 3])
         elif how == "foreign":
