@@ -4,6 +4,9 @@ damaged byte anywhere in a record. tests/tiers/test_disk.py reads through it fro
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 import xxhash
@@ -73,3 +76,36 @@ def test_native_copy_digest_changes_with_any_byte_of_the_record():
             changed = digest(level)
             assert changed != clean and changed == xxhash.xxh3_128(data.tobytes()).digest(), (level, at_byte)
             data[at_byte] ^= 0x10
+
+
+def test_a_batch_shared_by_threads_copies_every_page_once_while_it_is_filled():
+    """A CopyBatch filled a record at a time, published now and then, while three threads drain it: each
+    page is copied exactly (its digest python-xxhash's) and the drains return only once the batch is
+    closed and empty, whether the filler runs ahead of the copying threads or behind them."""
+    requires(native_copy.copier() is not None, f"the native checksummed copy: {native_copy.why_not}")
+    native = native_copy.copier()
+    head, page, n = 52, 4096 * 3, 300
+    data = np.random.default_rng(11).integers(0, 256, n * (head + page), dtype=np.uint8).reshape(n, head + page)
+    out = np.full((n, page + 64), 0xA5, np.uint8)
+    start = -out.ctypes.data % 64   # every target 64-byte aligned: the row stride is a multiple of 64
+    for pause in (0.0, 0.0005):
+        out[:] = 0xA5
+        batch = native.batch(n, page, 4096)
+        with ThreadPoolExecutor(3) as pool:
+            drains = [pool.submit(batch.drain) for _ in range(3)]
+            for i in range(n):
+                at = data[i].ctypes.data
+                batch.add(at, at, at + head, out[i].ctypes.data + start)
+                if i % 7 == 6:
+                    batch.publish()
+                    time.sleep(pause)
+            assert not any(d.done() for d in drains)   # not closed yet: they wait for more
+            batch.close()
+            for d in drains:
+                d.result(timeout=30)
+        digests, how = batch.results()
+        assert len(how) == n
+        for i in range(n):
+            assert digests[16 * i:16 * i + 16] == xxhash.xxh3_128(data[i].tobytes()).digest(), (pause, i)
+            assert np.array_equal(out[i, start:start + page], data[i, head:]), (pause, i)
+        assert not (out[:, :start] != 0xA5).any() and not (out[:, start + page:] != 0xA5).any()

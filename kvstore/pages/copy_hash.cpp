@@ -1,4 +1,5 @@
-// The cold tier's checksummed copy, a batch of records in one call (kvstore/pages/native_copy.py).
+// The cold tier's checksummed copy, a batch of records in one call, or shared by threads that copy
+// while another fills it (kvstore/pages/native_copy.py).
 //
 // For each record, the xxh3-128 of its head (the bytes between the checksum and the page) and page,
 // and the page copied out, so that the digest covers exactly the bytes delivered. Two ways:
@@ -15,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <sched.h>
 #include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -32,7 +34,7 @@ struct XxhFunctions {                          // XXH3_createState and friends
     Hash128 (*digest)(const void*);
 };
 
-extern "C" int kv_copy_hash_version() { return 4; }
+extern "C" int kv_copy_hash_version() { return 5; }
 
 static void put_digest(Hash128 h, unsigned char* out) {   // xxhash's canonical form
     for (int b = 0; b < 8; ++b) {
@@ -235,48 +237,103 @@ static int64_t lmdb_value_offset(const unsigned char* value, int64_t psize) {
 // Record i starts at values[i]: its head heads[i] (head_lens[i] bytes), its page srcs[i] (nbytes),
 // copied to dsts[i]; its digest, in xxhash's canonical form, into digests[16 * i]; how[i], how page i
 // was read. With `fused` 2 (AVX-512) or 1 (AVX2; the widest this CPU runs, at most), a record that
-// copy_hash_fused can take is read that way (2). Any other
-// is copied chunk by chunk: with fd >= 0 the records are values in an LMDB map of that file (page
-// size psize), and a page in overflow pages is read from the file with pread, the kernel's copy out
-// of the page cache (1); any other page, the rest of one whose pread came up short, and every page
-// when fd < 0, is copied from the map (0). Returns 0, or -1 when xxhash could not allocate its state
-// (nothing copied).
+// copy_hash_fused can take is read that way (2). Any other is copied chunk by chunk: with fd >= 0 the
+// records are values in an LMDB map of that file (page size psize), and a page in overflow pages is
+// read from the file with pread, the kernel's copy out of the page cache (1); any other page, the rest
+// of one whose pread came up short, and every page when fd < 0, is copied from the map (0).
+static void copy_one(const XxhFunctions* x, void* state, int fused, int fd, int64_t psize, int64_t i,
+                     const unsigned char* const* values, const unsigned char* const* heads, const int64_t* head_lens,
+                     const unsigned char* const* srcs, unsigned char* const* dsts, int64_t nbytes, int64_t chunk,
+                     unsigned char* digests, unsigned char* how) {
+#if KV_FUSED
+    int64_t len = head_lens[i] + nbytes;
+    if (fused && heads[i] + head_lens[i] == srcs[i] && fused_fits(len, nbytes, dsts[i])) {
+        put_digest((fused == 2 ? avx512::copy_hash_fused : avx2::copy_hash_fused)(
+                       heads[i], (size_t)len, (size_t)head_lens[i], dsts[i]), digests + 16 * i);
+        how[i] = 2;
+        return;
+    }
+#endif
+    x->reset(state);
+    x->update(state, heads[i], (size_t)head_lens[i]);
+    int64_t offset = fd >= 0 ? lmdb_value_offset(values[i], psize) : -1;
+    if (offset >= 0) offset += srcs[i] - values[i];
+    how[i] = offset >= 0;
+    for (int64_t a = 0; a < nbytes; a += chunk) {
+        size_t len = (size_t)(nbytes - a < chunk ? nbytes - a : chunk);
+        if (offset < 0 || pread(fd, dsts[i] + a, len, offset + a) != (ssize_t)len) {
+            offset = -1;
+            how[i] = 0;
+            memcpy(dsts[i] + a, srcs[i] + a, len);
+        }
+        x->update(state, dsts[i] + a, len);
+    }
+    put_digest(x->digest(state), digests + 16 * i);
+}
+
+static int clamp_fused(int fused) {
+#if KV_FUSED
+    return fused > widest() ? widest() : fused;
+#else
+    (void)fused;
+    return 0;
+#endif
+}
+
+// Records 0 to n - 1, each as copy_one says. Returns 0, or -1 when xxhash could not allocate its
+// state (nothing copied).
 extern "C" int kv_copy_hash(const XxhFunctions* x, int fused, int fd, int64_t psize, int64_t n, const unsigned char* const* values,
                       const unsigned char* const* heads, const int64_t* head_lens,
                       const unsigned char* const* srcs, unsigned char* const* dsts, int64_t nbytes, int64_t chunk,
                       unsigned char* digests, unsigned char* how) {
     void* state = x->create();
     if (!state) return -1;
-#if KV_FUSED
-    if (fused > widest()) fused = widest();
-#else
-    fused = 0;
-#endif
-    for (int64_t i = 0; i < n; ++i) {
-#if KV_FUSED
-        int64_t len = head_lens[i] + nbytes;
-        if (fused && heads[i] + head_lens[i] == srcs[i] && fused_fits(len, nbytes, dsts[i])) {
-            put_digest((fused == 2 ? avx512::copy_hash_fused : avx2::copy_hash_fused)(
-                           heads[i], (size_t)len, (size_t)head_lens[i], dsts[i]), digests + 16 * i);
-            how[i] = 2;
+    fused = clamp_fused(fused);
+    for (int64_t i = 0; i < n; ++i)
+        copy_one(x, state, fused, fd, psize, i, values, heads, head_lens, srcs, dsts, nbytes, chunk, digests, how);
+    x->release(state);
+    return 0;
+}
+
+// A batch that one thread fills while several copy it: shared[0] the next record to take, shared[1]
+// how many are published (their entries in the arrays written before), shared[2] nonzero once no
+// more will be. The filling thread publishes with kv_copy_publish; each copying thread calls
+// kv_copy_hash_shared, which takes published records one at a time (as copy_one says) until the
+// batch is closed and none is left, and waits (spinning briefly, then yielding the CPU) while the
+// filler is behind. So no copying thread needs the interpreter between records. Returns 0, or -1 when
+// xxhash could not allocate its state (then this thread copied nothing; the others go on).
+extern "C" void kv_copy_publish(int64_t* shared, int64_t published, int closed) {
+    __atomic_store_n(&shared[1], published, __ATOMIC_RELEASE);
+    if (closed) __atomic_store_n(&shared[2], (int64_t)1, __ATOMIC_RELEASE);
+}
+
+extern "C" int kv_copy_hash_shared(const XxhFunctions* x, int fused, int fd, int64_t psize, int64_t* shared,
+                                   const unsigned char* const* values, const unsigned char* const* heads,
+                                   const int64_t* head_lens, const unsigned char* const* srcs,
+                                   unsigned char* const* dsts, int64_t nbytes, int64_t chunk, unsigned char* digests,
+                                   unsigned char* how) {
+    void* state = x->create();
+    if (!state) return -1;
+    fused = clamp_fused(fused);
+    for (int idle = 0;;) {
+        const bool closed = __atomic_load_n(&shared[2], __ATOMIC_ACQUIRE) != 0;   // before published: its last value
+        const int64_t published = __atomic_load_n(&shared[1], __ATOMIC_ACQUIRE);
+        int64_t i = __atomic_load_n(&shared[0], __ATOMIC_RELAXED);
+        if (i < published) {
+            if (__atomic_compare_exchange_n(&shared[0], &i, i + 1, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+                copy_one(x, state, fused, fd, psize, i, values, heads, head_lens, srcs, dsts, nbytes, chunk, digests, how);
+                idle = 0;
+            }
             continue;
         }
+        if (closed) break;
+        if (++idle < 64) {
+#if KV_FUSED
+            for (int k = 0; k < 32; ++k) _mm_pause();
 #endif
-        x->reset(state);
-        x->update(state, heads[i], (size_t)head_lens[i]);
-        int64_t offset = fd >= 0 ? lmdb_value_offset(values[i], psize) : -1;
-        if (offset >= 0) offset += srcs[i] - values[i];
-        how[i] = offset >= 0;
-        for (int64_t a = 0; a < nbytes; a += chunk) {
-            size_t len = (size_t)(nbytes - a < chunk ? nbytes - a : chunk);
-            if (offset < 0 || pread(fd, dsts[i] + a, len, offset + a) != (ssize_t)len) {
-                offset = -1;
-                how[i] = 0;
-                memcpy(dsts[i] + a, srcs[i] + a, len);
-            }
-            x->update(state, dsts[i] + a, len);
+        } else {
+            sched_yield();   // the filler may share this CPU
         }
-        put_digest(x->digest(state), digests + 16 * i);
     }
     x->release(state);
     return 0;

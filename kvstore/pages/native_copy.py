@@ -35,7 +35,7 @@ log = logging.getLogger("kvstore.native")
 SOURCE = Path(__file__).with_name("copy_hash.cpp")
 HEADERS = (Path(__file__).with_name("copy_hash_fused.h"),)
 FLAGS = ("-O2", "-std=c++17")
-VERSION = 4   # kv_copy_hash_version() of the source
+VERSION = 5   # kv_copy_hash_version() of the source
 _FUNCTIONS = ("XXH3_createState", "XXH3_freeState", "XXH3_128bits_reset", "XXH3_128bits_update",
               "XXH3_128bits_digest")
 
@@ -57,6 +57,10 @@ class NativeCopy:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.kv_copy_hash.argtypes = [p, ctypes.c_int, ctypes.c_int, i64, i64, p, p, p, p, p, i64, i64, p, p]
         lib.kv_copy_hash.restype = ctypes.c_int
+        lib.kv_copy_hash_shared.argtypes = [p, ctypes.c_int, ctypes.c_int, i64, p, p, p, p, p, p, i64, i64, p, p]
+        lib.kv_copy_hash_shared.restype = ctypes.c_int
+        lib.kv_copy_publish.argtypes = [p, i64, ctypes.c_int]
+        lib.kv_copy_publish.restype = None
         lib.kv_copy_blocks.argtypes = [p, p, i64, i64]
         lib.kv_copy_blocks.restype = None
         self.one_pass = lib.kv_copy_hash_fused_available()   # the widest one pass this CPU runs (ONE_PASS)
@@ -92,6 +96,70 @@ class NativeCopy:
         if rc:
             raise MemoryError("xxhash could not allocate its state")
         return digests.tobytes(), how
+
+    def batch(self, capacity: int, nbytes: int, chunk: int, lmdb_file: tuple[int, int] | None = None,
+              one_pass: int | None = None) -> "CopyBatch":
+        """A CopyBatch of up to `capacity` records whose pages are nbytes (copy_hash's other arguments)."""
+        return CopyBatch(self, capacity, nbytes, chunk, lmdb_file, one_pass)
+
+
+class CopyBatch:
+    """copy_hash's records, filled by one thread while several copy them: `add` each record as it is
+    checked, `publish` to hand those added so far to the copying threads, `close` once no more will
+    come; each copying thread calls `drain` (the GIL released throughout), which copies published
+    records one at a time until the batch is closed and none is left, waiting while the filler is
+    behind. So the copying threads never take turns at the interpreter. The filler may drain too,
+    once it has closed the batch. `results` once every drain has returned. The addresses added must
+    stay valid (and the targets unshared) until then."""
+
+    def __init__(self, native: NativeCopy, capacity: int, nbytes: int, chunk: int,
+                 lmdb_file: tuple[int, int] | None, one_pass: int | None):
+        self.native = native
+        level = native.one_pass if one_pass is None else min(one_pass, native.one_pass)
+        fd, psize = lmdb_file or (-1, 0)
+        # one allocation: the five address rows (values, heads, head lengths, pages, targets), the
+        # shared state (next to take, published, closed), then the digests and how each page was read
+        table = np.zeros(5 * capacity + 3 + (17 * capacity + 7) // 8, np.int64)
+        base = table.ctypes.data
+        self.addresses = table[:5 * capacity].reshape(5, capacity)
+        self.shared = table[5 * capacity:5 * capacity + 3]
+        rest = table[5 * capacity + 3:].view(np.uint8)
+        self.digests, self.how = rest[:16 * capacity], rest[16 * capacity:17 * capacity]
+        self._shared_at = base + 8 * 5 * capacity
+        rows = [base + 8 * capacity * r for r in range(5)]
+        self._args = (ctypes.addressof(native.functions), level, fd, psize, self._shared_at, *rows, nbytes, chunk,
+                      self._shared_at + 24, self._shared_at + 24 + 16 * capacity)
+        self.count = 0
+        self._added: tuple[list[int], ...] = ([], [], [], [])   # values, heads, pages, targets not yet published
+
+    def add(self, value: int, head: int, src: int, dst: int) -> int:
+        """Record `count`: it starts at address `value`, its head at `head`, its page at `src`, bound for
+        `dst`; handed to the copying threads at the next publish."""
+        for column, address in zip(self._added, (value, head, src, dst)):
+            column.append(address)
+        return self.count + len(self._added[0]) - 1
+
+    def publish(self, closed: bool = False) -> None:
+        new = len(self._added[0])
+        if new:
+            at = slice(self.count, self.count + new)
+            for row, column in zip((0, 1, 3, 4), self._added):
+                self.addresses[row, at] = column
+                column.clear()
+            self.addresses[2, at] = self.addresses[3, at] - self.addresses[1, at]
+            self.count += new
+        self.native.lib.kv_copy_publish(self._shared_at, self.count, int(closed))
+
+    def close(self) -> None:
+        self.publish(closed=True)
+
+    def drain(self) -> None:
+        if self.native.lib.kv_copy_hash_shared(*self._args):
+            raise MemoryError("xxhash could not allocate its state")
+
+    def results(self) -> tuple[bytes, np.ndarray]:
+        """copy_hash's (digests, how) of the records added, once every drain has returned."""
+        return self.digests[:16 * self.count].tobytes(), self.how[:self.count]
 
 
 READ_MAP, READ_FILE, READ_ONE_PASS = 0, 1, 2   # how copy_hash read a page

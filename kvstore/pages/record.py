@@ -16,7 +16,7 @@ never served.
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
@@ -122,51 +122,86 @@ def _copy_checked(record, header: RecordHeader, out: np.ndarray) -> bool:
     return True
 
 
-def copy_payloads(jobs: Sequence[tuple[object, RecordHeader, object]],
-                  lmdb_file: tuple[int, int] | None = None, one_pass: bool = True) -> tuple[list[str | None], int]:
-    """The page of each (record, header whose read_header parsed it, out: a flat uint8 array or a
-    contiguous CPU tensor of header.nbytes) copied out, its key derivation and the checksum of the
-    bytes copied verified. Returns (for each job None where its page was copied,
-    else why it was refused, its out zeroed when the checksum failed, untouched when the key
-    derivation did; how many pages the file gave wrong and the map right).
+class PayloadCopies:
+    """The pages of records copied out, each one's key derivation and the checksum of the bytes copied
+    verified, added by one thread while others copy those added before (LmdbReader.read_many).
 
-    One native call for the batch where native_copy has one (the GIL released throughout), else
-    one page at a time in Python; the same bytes are checked either way. The native call reads a
-    record in one pass where it can (NativeCopy.copy_hash; not with `one_pass` False). Any other page:
-    with `lmdb_file` (fd, page size: the records are values in an LMDB map of that file), read from
-    the file; a page whose checksum fails from the file is copied again from the map before it is
-    refused. The records must stay valid (an LMDB read transaction open) until
-    this returns."""
-    errors: list[str | None] = [_KEY_MISMATCH if not header.key_matches() else None for _, header, _ in jobs]
-    todo = [i for i, e in enumerate(errors) if e is None]
-    native = native_copy.copier()
-    if native is None or not todo:
-        for i in todo:
-            if not _copy_checked(jobs[i][0], jobs[i][1], _byte_array(jobs[i][2])):
-                errors[i] = _CHECKSUM_MISMATCH
-        return errors, 0
-    nbytes = jobs[todo[0]][1].nbytes
-    if any(jobs[i][1].nbytes != nbytes for i in todo):
-        raise ValueError("copy_payloads takes pages of one size")
-    values = np.array([np.frombuffer(jobs[i][0], np.uint8).ctypes.data for i in todo], np.int64)
-    srcs = values + np.array([len(jobs[i][0]) for i in todo], np.int64) - nbytes
-    heads = values + (PREFIX_BYTES - 4)
-    dsts = np.array([_address(jobs[i][2]) for i in todo], np.int64)
-    digests, how = native.copy_hash(values, heads, srcs, dsts, nbytes, _COPY_CHUNK, lmdb_file, None if one_pass else 0)
-    disagreed = 0
-    for k, i in enumerate(todo):
-        checksum = bytes(memoryview(jobs[i][0])[4:20])
-        if digests[16 * k:16 * k + 16] == checksum:
-            continue
-        if how[k] == native_copy.READ_FILE:   # once more from the map: a page the file gives wrong is not yet damaged
-            one = slice(k, k + 1)
-            if native.copy_hash(values[one], heads[one], srcs[one], dsts[one], nbytes, _COPY_CHUNK,
-                                one_pass=0)[0] == checksum:
-                disagreed += 1
+    `add` each record (its header parsed by read_header) with its target (a flat uint8 array or a
+    contiguous CPU tensor of `nbytes`); `publish` hands those added so far to the threads copying in
+    `drain`; `close` once no more will come, then `drain` on the adding thread too; `finish` once
+    every drain has returned. Where native_copy has a copy, the pages are copied natively
+    (NativeCopy.batch: the GIL released from a thread's first page to its last), each record in one
+    pass where it can be (NativeCopy.copy_hash; not with `one_pass` False). Any other page: with
+    `lmdb_file` (fd, page size: the records are values in an LMDB map of that file), read from the
+    file; a page whose checksum fails from the file is copied again from the map before it is
+    refused. Without a native copy, `add` copies the page in Python there and then; the same bytes
+    are checked either way. The records must stay valid (an LMDB read transaction open) until
+    `finish` returns."""
+
+    def __init__(self, capacity: int, nbytes: int, lmdb_file: tuple[int, int] | None = None,
+                 one_pass: bool = True):
+        self.nbytes = nbytes
+        self.native = native_copy.copier()
+        self.batch = None if self.native is None else self.native.batch(capacity, nbytes, _COPY_CHUNK, lmdb_file,
+                                                                        None if one_pass else 0)
+        self.errors: list[str | None] = []   # why each page added was refused (None: copied)
+        self.copying: list[tuple[int, object, object]] = []   # (index, record, out) of each page in the batch
+
+    @property
+    def parallel(self) -> bool:
+        """Whether other threads can help: the pages are copied in `drain`."""
+        return self.batch is not None
+
+    def add(self, record, header: RecordHeader, out) -> int:
+        """The page of `record` queued for `out` (copied now, without a native copy); its index in finish()'s list."""
+        if header.nbytes != self.nbytes:
+            raise ValueError("PayloadCopies takes pages of one size")
+        k = len(self.errors)
+        self.errors.append(None if header.key_matches() else _KEY_MISMATCH)
+        if self.errors[k] is not None:
+            return k
+        if self.batch is None:
+            if not _copy_checked(record, header, _byte_array(out)):
+                self.errors[k] = _CHECKSUM_MISMATCH
+            return k
+        value = np.frombuffer(record, np.uint8).ctypes.data
+        self.batch.add(value, value + PREFIX_BYTES - 4, value + len(record) - self.nbytes, _address(out))
+        self.copying.append((k, record, out))
+        return k
+
+    def publish(self) -> None:
+        if self.batch is not None:
+            self.batch.publish()
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self.batch.close()
+
+    def drain(self) -> None:
+        if self.batch is not None:
+            self.batch.drain()
+
+    def finish(self) -> tuple[list[str | None], int]:
+        """(for each page added: None where it was copied, else why it was refused, its out zeroed when
+        the checksum failed, untouched when the key derivation did; how many pages the file gave
+        wrong and the map right)."""
+        if self.batch is None:
+            return self.errors, 0
+        digests, how = self.batch.results()
+        disagreed = 0
+        for j, (k, record, out) in enumerate(self.copying):
+            checksum = bytes(memoryview(record)[4:20])
+            if digests[16 * j:16 * j + 16] == checksum:
                 continue
-        _byte_array(jobs[i][2]).fill(0)
-        errors[i] = _CHECKSUM_MISMATCH
-    return errors, disagreed
+            if how[j] == native_copy.READ_FILE:   # once more from the map: a page the file gives wrong is not yet damaged
+                at = self.batch.addresses[:, j:j + 1]
+                if self.native.copy_hash(at[0], at[1], at[3], at[4], self.nbytes, _COPY_CHUNK,
+                                         one_pass=0)[0] == checksum:
+                    disagreed += 1
+                    continue
+            _byte_array(out).fill(0)
+            self.errors[k] = _CHECKSUM_MISMATCH
+        return self.errors, disagreed
 
 
 def _address(out) -> int:

@@ -3,8 +3,8 @@
 `read`, `read_many` and `scan` are thread-safe and block: a read verifies the record (key
 derivation, namespace, tokens, geometry, then the checksum over the bytes it copied) and
 returns False for anything missing or untrustworthy, never raising on bad data. `read_many`
-hands a batch out in runs to the caller's thread and a small pool, each thread in its own read
-transaction, under the shared remap lock. DiskTier (disk.py) holds one, on the tier's LmdbEnv (lmdb_env.py); the rules
+checks a batch's records on the caller's thread, in one read transaction under the shared remap
+lock, and copies their pages there and on a small pool's threads. DiskTier (disk.py) holds one, on the tier's LmdbEnv (lmdb_env.py); the rules
 are DiskTier's.
 """
 
@@ -29,7 +29,8 @@ from kvstore.tiers.lmdb_env import LmdbEnv
 log = logging.getLogger("kvstore.store")
 
 _SCAN_CHUNK = 4096              # records read per read transaction in scan() and sizes()
-_RUN_BYTES = 4 * MiB, 8 * MiB  # a run (pages copied in one record.copy_payloads call): its bounds
+_RUN_BYTES = 2 * MiB          # pages checked before they are handed to the copy, at most (one page at least)
+_SHARED_BYTES = 8 * MiB       # a batch larger than this is copied by pool threads too
 K = TypeVar("K", bound=tuple)
 
 
@@ -48,8 +49,8 @@ class LmdbReader:
         self._stats_lock = threading.Lock()
         self._lock = threading.Lock()   # starting the pool against close()
         self._pool: ThreadPoolExecutor | None = None
-        self._from_file = env.data_fd is not None   # pages read with pread (record.copy_payloads)
-        self.one_pass = True    # records read in one pass where the native copy can (record.copy_payloads)
+        self._from_file = env.data_fd is not None   # pages read with pread (record.PayloadCopies)
+        self.one_pass = True    # records read in one pass where the native copy can (record.PayloadCopies)
 
     def read(self, key: bytes, expect_namespace: bytes, expect_tokens: bytes, expect_spec: bytes,
              out) -> bool:
@@ -61,29 +62,50 @@ class LmdbReader:
                   threads: int | None = None) -> list[bool]:
         """Several reads (key, namespace, tokens, spec fingerprint, out); True for each page copied.
 
-        The batch is cut into runs of 4 to 8 MiB of pages (as many as there are threads, where the
-        batch is small enough), taken in turn by up to `threads` threads (default: the reader's),
-        no more than there are runs: the caller's, and pool threads that join as soon as they wake,
-        each in its own read transaction. A thread that starts late or copies slowly takes fewer
-        runs, so all of them finish within about one run of each other. Hashing and copying
-        release the GIL, so the runs go in parallel. A False leaves its target untouched, or
-        zeroed when the checksum of what was copied failed.
+        The caller's thread looks each record up and checks its header, in one read transaction,
+        and hands the pages that pass, a run of about _RUN_BYTES at a time, to the copy
+        (record.PayloadCopies). In a batch of more than _SHARED_BYTES, once the first run is handed
+        over, up to `threads` - 1 pool threads (default: the reader's `threads`) copy while the caller
+        checks the rest; then the caller copies too. The copying threads take one page at a time in native code, never waiting for the
+        interpreter, so they finish within a page of each other. A False leaves its target
+        untouched, or zeroed when the checksum of what was copied failed.
         """
         page_bytes = self.spec.page_bytes
         targets = [read_target(req[4], page_bytes) for req in requests]
         ok = [False] * len(requests)
         threads = threads or self.threads
-        smallest, largest = (max(1, bound // page_bytes) for bound in _RUN_BYTES)
-        runs = _Runs(len(requests), max(smallest, min(largest, -(-len(requests) // threads))))
-        futures = [self._read_pool().submit(self._read_runs, requests, targets, ok, runs)
-                   for _ in range(min(threads, runs.count) - 1)]
-        try:
-            self._read_runs(requests, targets, ok, runs)
-        finally:
-            runs.close()   # after an error: a pool thread takes no more runs
-            for f in futures:
-                if not f.cancel():   # one that has not started is not waited for
-                    f.result()       # never leave a pool thread writing into a target
+        run = max(1, _RUN_BYTES // page_bytes)
+        pooled = threads > 1 and len(requests) * page_bytes > _SHARED_BYTES
+        copies = record.PayloadCopies(len(requests), page_bytes, self._lmdb_file(), self.one_pass)
+        helpers: list = []
+        where: list[int] = []   # the request of each page added
+        with self.env.reading() as txn:
+            try:
+                for start in range(0, len(requests), run):
+                    for i in range(start, min(start + run, len(requests))):
+                        found = self._checked(txn, *requests[i][:4])
+                        if found is not None:
+                            copies.add(*found, targets[i])
+                            where.append(i)
+                    copies.publish()
+                    if pooled and not helpers and copies.parallel:
+                        helpers = [self._read_pool().submit(copies.drain) for _ in range(threads - 1)]
+            finally:
+                copies.close()
+                try:
+                    copies.drain()
+                finally:
+                    for f in helpers:
+                        if not f.cancel():   # one that has not started is not waited for
+                            f.result()       # never leave a pool thread writing into a target
+            errors, disagreed = copies.finish()
+        for i, error in zip(where, errors):
+            if error is None:
+                ok[i] = True
+            else:
+                self._refused(requests[i][0], error)
+        if disagreed:
+            self._stop_file_reads(disagreed)
         return ok
 
     def records(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -104,31 +126,6 @@ class LmdbReader:
                 self._pool = ThreadPoolExecutor(max_workers=max(1, self.threads - 1),
                                                 thread_name_prefix="kvstore-cold-read")
             return self._pool
-
-    def _read_runs(self, requests, targets: list, ok: list[bool], runs: "_Runs") -> None:
-        """Runs of `requests` taken from `runs` until none is left, in one read transaction: each
-        record's header checked here, then the pages of those that pass copied and checksummed in
-        one call (record.copy_payloads, which releases the GIL) while another thread checks the
-        headers of its run. ok[i] set for each page copied."""
-        if (run := runs.take()) is None:
-            return
-        with self.env.reading() as txn:
-            while run is not None:
-                jobs, where = [], []
-                for i in run:
-                    found = self._checked(txn, *requests[i][:4])
-                    if found is not None:
-                        jobs.append((*found, targets[i]))
-                        where.append(i)
-                errors, disagreed = record.copy_payloads(jobs, self._lmdb_file(), self.one_pass)
-                for i, error in zip(where, errors):
-                    if error is None:
-                        ok[i] = True
-                    else:
-                        self._refused(requests[i][0], error)
-                if disagreed:
-                    self._stop_file_reads(disagreed)
-                run = runs.take()
 
     def _lmdb_file(self) -> tuple[int, int] | None:
         return (self.env.data_fd, self.env.psize) if self._from_file else None
@@ -208,26 +205,6 @@ class LmdbReader:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-
-
-class _Runs:
-    """The runs of a read_many batch (ranges of `step` requests out of `n`), handed out in order to
-    whichever thread asks next."""
-
-    def __init__(self, n: int, step: int):
-        self._lock = threading.Lock()
-        self._starts = iter(range(0, n, step))
-        self._n, self._step = n, step
-        self.count = -(-n // step)
-
-    def take(self) -> range | None:
-        with self._lock:
-            start = next(self._starts, None)
-        return None if start is None else range(start, min(start + self._step, self._n))
-
-    def close(self) -> None:
-        with self._lock:
-            self._starts = iter(())
 
 
 def _scan_item(key: memoryview, value: memoryview) -> tuple[bytes, RecordHeader | None, int]:

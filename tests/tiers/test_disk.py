@@ -280,7 +280,7 @@ def test_close_commits_queued_writes_and_is_idempotent(tmp_path):
         assert tier.num_pages == 50
 
 
-BIG = KVSpec(4, 8, 64, "float32", 16)   # 256 KiB pages: read_many cuts 64 of them into a run a thread
+BIG = KVSpec(4, 8, 64, "float32", 16)   # 256 KiB pages: read_many hands them to the copy 8 at a time
 BIG_NS = Namespace.for_spec("big", BIG)
 
 
@@ -301,7 +301,9 @@ def test_parallel_read_many_matches_and_refuses_damage(tmp_path, copier):
                 assert torch.equal(outs[i], pages.payloads[i]) if ok[i] else not outs[i].any()
                 outs[i].fill_(7)
         assert tier.corrupt == 3 * len(damaged)
-        assert tier.reader._pool is not None             # the batch did use the pool
+        # the pool's threads copied beside the caller's where pages are copied natively; in Python
+        # the caller's thread copies each page as it checks it
+        assert (tier.reader._pool is not None) == (copier != "python")
 
 
 def test_pages_start_on_a_cache_line_of_the_map(tmp_path):
