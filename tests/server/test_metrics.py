@@ -92,7 +92,10 @@ def check_write_behind(samples, stats) -> dict:
     present and they add up to dropped_pages; returns the write-behind stats."""
     wb = stats["write_behind"]
     for name, field in WRITE_BEHIND.items():
-        assert samples[name][()] == pytest.approx(wb[field], abs=0.01), name   # lag: read a moment apart
+        if field == "lag_s":   # the oldest dirty page's age, rendered a moment before stats() read it
+            assert wb[field] - 0.25 <= samples[name][()] <= wb[field] + 0.01, name
+        else:
+            assert samples[name][()] == pytest.approx(wb[field], abs=0.01), name
     assert drops(samples) == stats["dropped_by_reason"] and set(drops(samples)) == set(DROP_REASONS)
     assert sum(drops(samples).values()) == stats["dropped_pages"]
     return wb
