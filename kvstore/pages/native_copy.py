@@ -132,12 +132,11 @@ class CopyBatch:
         self.count = 0
         self._added: tuple[list[int], ...] = ([], [], [], [])   # values, heads, pages, targets not yet published
 
-    def add(self, value: int, head: int, src: int, dst: int) -> int:
-        """Record `count`: it starts at address `value`, its head at `head`, its page at `src`, bound for
-        `dst`; handed to the copying threads at the next publish."""
+    def add(self, value: int, head: int, src: int, dst: int) -> None:
+        """The next record: it starts at address `value`, its head at `head`, its page at `src`, bound
+        for `dst`; handed to the copying threads at the next publish."""
         for column, address in zip(self._added, (value, head, src, dst)):
             column.append(address)
-        return self.count + len(self._added[0]) - 1
 
     def publish(self, closed: bool = False) -> None:
         new = len(self._added[0])

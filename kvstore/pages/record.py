@@ -152,22 +152,20 @@ class PayloadCopies:
         """Whether other threads can help: the pages are copied in `drain`."""
         return self.batch is not None
 
-    def add(self, record, header: RecordHeader, out) -> int:
-        """The page of `record` queued for `out` (copied now, without a native copy); its index in finish()'s list."""
+    def add(self, record, header: RecordHeader, out) -> None:
+        """The page of `record` queued for `out` (copied now, without a native copy); finish() lists
+        the pages in the order they were added."""
         if header.nbytes != self.nbytes:
             raise ValueError("PayloadCopies takes pages of one size")
-        k = len(self.errors)
-        self.errors.append(None if header.key_matches() else _KEY_MISMATCH)
-        if self.errors[k] is not None:
-            return k
-        if self.batch is None:
-            if not _copy_checked(record, header, _byte_array(out)):
-                self.errors[k] = _CHECKSUM_MISMATCH
-            return k
-        value = np.frombuffer(record, np.uint8).ctypes.data
-        self.batch.add(value, value + PREFIX_BYTES - 4, value + len(record) - self.nbytes, _address(out))
-        self.copying.append((k, record, out))
-        return k
+        if not header.key_matches():
+            self.errors.append(_KEY_MISMATCH)
+        elif self.batch is None:
+            self.errors.append(None if _copy_checked(record, header, _byte_array(out)) else _CHECKSUM_MISMATCH)
+        else:
+            value = np.frombuffer(record, np.uint8).ctypes.data
+            self.batch.add(value, value + PREFIX_BYTES - 4, value + len(record) - self.nbytes, _address(out))
+            self.copying.append((len(self.errors), record, out))
+            self.errors.append(None)
 
     def publish(self) -> None:
         if self.batch is not None:
