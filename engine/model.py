@@ -88,8 +88,8 @@ class Projection:
 
     Several linears are fused into one weight (theirs become views of it). With `prepack` the
     weight is also kept in a packed copy made once at load: float32 weights on a CPU with AVX-512
-    in the native kernels' layout (linear.cpp: 1.3x oneDNN at decode's 8 rows, the same bits at
-    any number of rows), other CPU weights in oneDNN's blocked layout (about 1.5x F.linear at small
+    or AVX2 in the native kernels' layout (linear.cpp: 1.3x oneDNN at decode's 8 rows with AVX-512,
+    1.5x with AVX2; the same bits at any number of rows), other CPU weights in oneDNN's blocked layout (about 1.5x F.linear at small
     batches); the cost is a second copy of the weights in memory. The result differs from
     F.linear's only in the order of the sums. A later change of a linear's weight (a `.to()`, an
     assignment, an in-place load) is noticed and the linears then run one by one, so stale

@@ -69,8 +69,9 @@ def build(name: str, what: str, sources: Sequence[Path], headers: Sequence[Path]
     try:
         done = subprocess.run([cxx, *args, "-o", tmp, *map(str, sources), *libs], capture_output=True, text=True)
         if done.returncode:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-            raise NotBuilt(f"building {what} failed ({Path(cxx).name}): {tail[0]}{suffix}")
+            lines = (done.stderr or done.stdout).strip().splitlines() or ["(no output)"]
+            why = next((ln for ln in lines if "error" in ln), lines[-1])   # not the notes after it
+            raise NotBuilt(f"building {what} failed ({Path(cxx).name}): {why.strip()}{suffix}")
         os.replace(tmp, path)   # atomic: a concurrent build leaves one whole library
         log.info("built %s: %s", what, path)
     finally:

@@ -6,7 +6,7 @@ built for this machine on first use); `sdpa` runs PyTorch's fused flash attentio
 pages in place, piece by piece, merged by log-sum-exp (any dtype); `flashinfer` uses FlashInfer's
 paged kernels (CUDA only, imported lazily). `auto` picks flashinfer on CUDA when the package is
 present, else native on the CPU where it can run (float32, a head_dim it is built for, a C++ compiler)
-and is the faster one (an x86-64 CPU with AVX-512), else sdpa. All take the same AttentionBatch and give the same results (within dtype tolerance).
+and is the faster one (an x86-64 CPU with AVX-512, or AVX2 and FMA), else sdpa. All take the same AttentionBatch and give the same results (within dtype tolerance).
 """
 
 from __future__ import annotations

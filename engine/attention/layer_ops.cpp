@@ -32,10 +32,10 @@ void kv_add_rms_norm(float *x, const float *delta, int64_t xs, const float *w, f
             const float *dr = delta + r * xs;
             for (int64_t j = 0; j < dim; j++) xr[j] += dr[j];
         }
-        v16 acc = bc(0.0f);
+        vf acc = bc(0.0f);
         int64_t j = 0;
-        for (; j + 16 <= dim; j += 16) {
-            v16 v = ld(xr + j);
+        for (; j + VL <= dim; j += VL) {
+            vf v = ld(xr + j);
             acc += v * v;
         }
         float ss = hsum(acc);
@@ -53,8 +53,8 @@ void kv_silu_mul(const float *gu, float *out, int64_t rows, int64_t inter, int t
         const float *g = gu + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
         int64_t j = 0;
-        for (; j + 16 <= inter; j += 16) {
-            v16 x = ld(g + j);
+        for (; j + VL <= inter; j += VL) {
+            vf x = ld(g + j);
             st(o + j, x / (1.0f + vexp(-x)) * ld(u + j));
         }
         for (; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];

@@ -3,10 +3,11 @@
 //
 // Packed layout: W [n, k] (row-major, as nn.Linear keeps it) becomes blocks of NB output columns,
 // each [k][NB]: one block is one forward stream through memory. A block's columns are computed
-// for up to 8 rows of x at a time, 3 x 8 vector accumulators, each weight vector loaded once for
-// the 8 rows and the stream prefetched PREFETCH k-rows ahead (without it the loads wait on
-// memory: a third slower at 8 rows); rows past 8 take the block again from the cache. Threads
-// take blocks (static schedule).
+// for up to ROWS rows of x at a time, NV x ROWS vector accumulators, each weight vector loaded
+// once for the rows and the stream prefetched about 3 KiB ahead (without it the loads wait on
+// memory: a third slower at 8 rows); rows past ROWS take the block again from the cache. Threads
+// take blocks (static schedule). With AVX-512 a block is 48 columns by 8 rows (24 accumulators in
+// 32 registers), with 8-lane vectors (AVX2) 24 columns by 4 rows (12 in 16).
 //
 // Why: decode multiplies a few rows by every weight of the model, so a step is a pass over the
 // weights at memory speed. oneDNN's prepacked linear reached 17-18 GB/s at 8 rows on two cores
@@ -21,7 +22,7 @@
 
 #include "simd.h"
 
-enum { NB = 48, ROWS = 8, PREFETCH = 16 };
+enum { NV = 3, ROWS = VREGS >= 32 ? 8 : 4, NB = VL * NV, PREFETCH = 3072 / (4 * NB) };   // PREFETCH: k-rows ahead
 
 extern "C" {
 
@@ -46,31 +47,26 @@ void kv_pack_linear(const float *w, int64_t n, int64_t k, float *out, int thread
 // acc [M][NB] = x [M rows at stride xs][k] . one packed block [k][NB]
 template <int M>
 static void block_rows(const float *x, int64_t xs, const float *wp, int64_t k, float *acc) {
-    v16 a[M][3];
-    for (int m = 0; m < M; m++) a[m][0] = a[m][1] = a[m][2] = bc(0.0f);
+    vf a[M][NV];
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < NV; j++) a[m][j] = bc(0.0f);
     for (int64_t kk = 0; kk < k; kk++) {
         const float *w = wp + kk * NB;
-        __builtin_prefetch(w + PREFETCH * NB, 0, 3);
-        __builtin_prefetch(w + PREFETCH * NB + 16, 0, 3);
-        __builtin_prefetch(w + PREFETCH * NB + 32, 0, 3);
-        const v16 w0 = ld(w), w1 = ld(w + 16), w2 = ld(w + 32);
+        for (int off = 0; off < NB; off += 16) __builtin_prefetch(w + PREFETCH * NB + off, 0, 3);   // a line each
+        vf wv[NV];
+        for (int j = 0; j < NV; j++) wv[j] = ld(w + VL * j);
         for (int m = 0; m < M; m++) {
-            const v16 xv = bc(x[m * xs + kk]);
-            a[m][0] += xv * w0;
-            a[m][1] += xv * w1;
-            a[m][2] += xv * w2;
+            const vf xv = bc(x[m * xs + kk]);
+            for (int j = 0; j < NV; j++) a[m][j] += xv * wv[j];
         }
     }
-    for (int m = 0; m < M; m++) {
-        st(acc + m * NB, a[m][0]);
-        st(acc + m * NB + 16, a[m][1]);
-        st(acc + m * NB + 32, a[m][2]);
-    }
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < NV; j++) st(acc + m * NB + VL * j, a[m][j]);
 }
 
 typedef void (*BlockFn)(const float *, int64_t, const float *, int64_t, float *);
-static const BlockFn BLOCK_FNS[ROWS + 1] = {0, block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>,
-                                            block_rows<5>, block_rows<6>, block_rows<7>, block_rows<8>};
+static const BlockFn BLOCK_FNS[9] = {0, block_rows<1>, block_rows<2>, block_rows<3>, block_rows<4>,
+                                    block_rows<5>, block_rows<6>, block_rows<7>, block_rows<8>};   // up to ROWS
 
 extern "C" {
 

@@ -1,8 +1,8 @@
 """The compiled CPU backend (`native`): paged_attention.cpp, reading pages where they lie.
 
 The kernel is built for this machine with the system's C++ compiler (-O3 -march=native -fopenmp;
-kvstore.native: cached per source, flags, compiler and CPU), by `scripts/bootstrap` or on first
-use, and loaded with ctypes: no PyTorch headers, so a build takes about a second. It runs its
+kvstore.native: cached per source, flags, compiler and CPU; KVSTORE_KERNEL_MARCH=x86-64-v3, say,
+builds it for another CPU), by `scripts/bootstrap` or on first use, and loaded with ctypes: no PyTorch headers, so a build takes about a second. It runs its
 OpenMP loop in the process's one OpenMP runtime (PyTorch's, loaded first), on
 torch.get_num_threads() threads.
 
@@ -16,6 +16,7 @@ reference only in the order of floating-point sums (tests hold it to the referen
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 from pathlib import Path
 
@@ -30,7 +31,8 @@ from kvstore.native import build as native_build, report
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("layer_ops.cpp"), SOURCE.with_name("linear.cpp"))   # one library
 HEADERS = (SOURCE.with_name("simd.h"),)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17")
+MARCH_ENV = "KVSTORE_KERNEL_MARCH"   # -march to build for (default native): x86-64-v3 is AVX2 without AVX-512
+FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-std=c++17")
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 192, 256)
 VERSION = 2   # kv_attention_version() of the source
 
@@ -39,8 +41,9 @@ _lib = None
 
 def build() -> Path:
     """The kernel's shared library, compiled now unless it already is. NotBuilt when it cannot be."""
-    return native_build("paged_attention", "the native attention kernel", SOURCES, HEADERS, FLAGS,
-                        remedy="use engine.attention_backend: sdpa")
+    march = os.environ.get(MARCH_ENV) or "native"
+    return native_build("paged_attention", "the native attention kernel", SOURCES, HEADERS, (*FLAGS, f"-march={march}"),
+                        remedy="use engine.attention_backend: sdpa" + (f", or unset {MARCH_ENV}" if march != "native" else ""))
 
 
 def load():
@@ -69,19 +72,20 @@ def load():
 
 
 def preferred() -> str | None:
-    """Why `auto` should not pick the native kernel on this CPU (None: it should). It was tuned for
-    AVX-512, where one register holds its 16-lane vectors; on an AVX2 CPU it runs, exactly, but
-    several times slower than sdpa (scripts/bench_attention.py: 0.13-0.16x at a 4K hit, a 512-token
-    chunk and a 2K prefill)."""
+    """Why `auto` should not pick the native kernels on this CPU (None: it should). They are built for
+    the registers the machine has (simd.h: 16-lane vectors with AVX-512, 8-lane with AVX2); on x86-64
+    with AVX-512, or AVX2 and FMA, they are faster than sdpa and oneDNN's linears at a cached-prefix hit
+    and in decode (scripts/bench_attention.py, BENCHMARKS.md). Elsewhere they run, exactly, but were
+    not measured against sdpa, so `auto` leaves them out there."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return f"the native attention kernel is tuned for x86-64 with AVX-512, not {platform.machine()}"
+        return f"the native kernels were measured on x86-64 with AVX-512 or AVX2, not on {platform.machine()}"
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        flags = []
-    if "avx512f" not in flags:
-        return "the native attention kernel is tuned for AVX-512 and this CPU has none (sdpa is faster here)"
+        flags = set()
+    if "avx512f" not in flags and not {"avx2", "fma"} <= flags:
+        return "the native kernels want AVX-512, or AVX2 with FMA, and this CPU has neither (sdpa is faster here)"
     return None
 
 

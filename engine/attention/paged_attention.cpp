@@ -24,7 +24,10 @@
 
 #include "simd.h"
 
-enum { KT = 64, KV = KT / 16, MAX_ROWS = 96, MIN_SPLIT = 256 };
+enum { KT = 64, KV = KT / VL, MAX_ROWS = 96, MIN_SPLIT = 256 };
+// keys a score block takes (simd.h's VREGS), so that its 2 x SKEYS accumulators stay in registers: 8
+// with AVX-512 (32 registers), 4 with AVX2 (16; 6 measured no faster)
+enum { SKEYS = VREGS >= 32 ? 8 : 4 };
 
 struct Args {
     const float *q; int64_t qstride; float *out;   // q: qstride elements between tokens, head_dim between heads
@@ -63,113 +66,116 @@ static inline const float *row_ptr(const Args &a, int seq, int tok, int head, in
 
 // online softmax of scores by rows (S[r][t], a decode's few rows): P = exp(S - running max), masked
 // keys 0; what was accumulated is rescaled
-template <int DV>
+template <int D16>
 static void softmax_rows(Scratch &w, int rows, int first_pos, int g, int t0, int tn) {
-    const int d = DV * 16;
-    const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    enum { DV = D16 * 16 / VL };
+    const int d = D16 * 16;
+    const vf lane = iota();
     for (int r = 0; r < rows; r++) {
         int pos = first_pos + r / g;
         int vis = pos - t0 + 1 < tn ? pos - t0 + 1 : tn;
         float *srow = w.S + r * KT;
         if (vis <= 0) { memset(srow, 0, sizeof(float) * KT); continue; }
-        v16 sv[KV], vm = bc(-INFINITY), vv = bc((float)vis);
+        vf sv[KV], vm = bc(-INFINITY), vv = bc((float)vis);
         for (int j = 0; j < KV; j++) {
-            sv[j] = ld(srow + 16 * j);
-            if (vis < KT) sv[j] = (lane + (float)(16 * j)) < vv ? sv[j] : bc(-INFINITY);
+            sv[j] = ld(srow + VL * j);
+            if (vis < KT) sv[j] = (lane + (float)(VL * j)) < vv ? sv[j] : bc(-INFINITY);
             vm = sv[j] > vm ? sv[j] : vm;
         }
         float mx = hmax(vm);
         float m_new = mx > w.m[r] ? mx : w.m[r];
         float corr = expf(w.m[r] - m_new);
-        v16 sum = (v16){};
+        vf sum = (vf){};
         for (int j = 0; j < KV; j++) {
-            v16 p = vexp(sv[j] - m_new);
-            if (vis < KT) p = (lane + (float)(16 * j)) < vv ? p : (v16){};
-            st(srow + 16 * j, p);
+            vf p = vexp(sv[j] - m_new);
+            if (vis < KT) p = (lane + (float)(VL * j)) < vv ? p : (vf){};
+            st(srow + VL * j, p);
             sum += p;
         }
         w.l[r] = w.l[r] * corr + hsum(sum);
         w.m[r] = m_new;
         if (corr != 1.0f) {
             float *acc = w.acc + (int64_t)r * d;
-            for (int j = 0; j < DV; j++) st(acc + 16 * j, ld(acc + 16 * j) * corr);
+            for (int j = 0; j < DV; j++) st(acc + VL * j, ld(acc + VL * j) * corr);
         }
     }
 }
 
-// scores by keys for NG groups of 16 rows at rows0 and keys tb..tb+7: St[t][r] = Q[r] . K[t], the rows in
-// lanes (Qt), each key element broadcast; keys past tn read a zero row
-template <int DV, int NG>
+// scores by keys for NG groups of VL rows at rows0 and keys tb..tb+SKEYS-1: St[t][r] = Q[r] . K[t], the
+// rows in lanes (Qt), each key element broadcast; keys past tn read a zero row
+template <int D16, int NG>
 static void scores_block(Scratch &w, int R16, int rows0, int tb, int tn) {
     static const float zero[256] = {0};
-    const int d = DV * 16;
-    const float *k[8];
-    for (int i = 0; i < 8; i++) k[i] = tb + i < tn ? w.kp[tb + i] : zero;
-    v16 acc[NG][8];
+    const int d = D16 * 16;
+    const float *k[SKEYS];
+    for (int i = 0; i < SKEYS; i++) k[i] = tb + i < tn ? w.kp[tb + i] : zero;
+    vf acc[NG][SKEYS];
     for (int gi = 0; gi < NG; gi++)
-        for (int i = 0; i < 8; i++) acc[gi][i] = (v16){};
+        for (int i = 0; i < SKEYS; i++) acc[gi][i] = (vf){};
     for (int dd = 0; dd < d; dd++) {
-        v16 q[NG];
+        vf q[NG];
         for (int gi = 0; gi < NG; gi++) {
-            q[gi] = ld(w.Qt + dd * R16 + rows0 + 16 * gi);
+            q[gi] = ld(w.Qt + dd * R16 + rows0 + VL * gi);
             IN_REG(q[gi]);
         }
-        for (int i = 0; i < 8; i++) {
-            v16 kb = bc(k[i][dd]);
+        for (int i = 0; i < SKEYS; i++) {
+            vf kb = bc(k[i][dd]);
             for (int gi = 0; gi < NG; gi++) acc[gi][i] += q[gi] * kb;
         }
     }
     for (int gi = 0; gi < NG; gi++)
-        for (int i = 0; i < 8; i++) st(w.S + (tb + i) * R16 + rows0 + 16 * gi, acc[gi][i]);
+        for (int i = 0; i < SKEYS; i++) st(w.S + (tb + i) * R16 + rows0 + VL * gi, acc[gi][i]);
 }
 
-template <int DV>
+template <int D16>
 static void scores_t(Scratch &w, int R16, int tn) {
-    for (int tb = 0; tb < tn; tb += 8) {
+    for (int tb = 0; tb < tn; tb += SKEYS) {
         int r0 = 0;
-        for (; r0 + 32 <= R16; r0 += 32) scores_block<DV, 2>(w, R16, r0, tb, tn);
-        if (r0 < R16) scores_block<DV, 1>(w, R16, r0, tb, tn);
+        for (; r0 + 2 * VL <= R16; r0 += 2 * VL) scores_block<D16, 2>(w, R16, r0, tb, tn);
+        if (r0 < R16) scores_block<D16, 1>(w, R16, r0, tb, tn);
     }
 }
 
-// online softmax of scores by keys, 16 rows at a time in lanes: masked keys (past a row's position, or
+// online softmax of scores by keys, VL rows at a time in lanes: masked keys (past a row's position, or
 // past tn) get P = 0; rows whose running max rises have their accumulators rescaled
-template <int DV>
+template <int D16>
 static void softmax_t(Scratch &w, int R16, int t0, int tn) {
-    const int d = DV * 16;
-    const v16 ninf = bc(-INFINITY);
-    for (int r0 = 0; r0 < R16; r0 += 16) {
-        v16 pos = ld(w.pos + r0), m = ld(w.m + r0), mx = ninf;
+    enum { DV = D16 * 16 / VL };
+    const int d = D16 * 16;
+    const vf ninf = bc(-INFINITY);
+    for (int r0 = 0; r0 < R16; r0 += VL) {
+        vf pos = ld(w.pos + r0), m = ld(w.m + r0), mx = ninf;
         for (int t = 0; t < tn; t++) {
             float *sp = w.S + t * R16 + r0;
-            v16 sv = pos >= (float)(t0 + t) ? ld(sp) : ninf;
+            vf sv = pos >= (float)(t0 + t) ? ld(sp) : ninf;
             st(sp, sv);
             mx = sv > mx ? sv : mx;
         }
-        v16 m_new = mx > m ? mx : m;
-        v16 corr = m_new == ninf ? bc(1.0f) : vexp(m - m_new);
-        v16 sum = (v16){};
+        vf m_new = mx > m ? mx : m;
+        vf corr = m_new == ninf ? bc(1.0f) : vexp(m - m_new);
+        vf sum = (vf){};
         for (int t = 0; t < tn; t++) {
             float *sp = w.S + t * R16 + r0;
-            v16 sv = ld(sp);
-            v16 p = sv == ninf ? (v16){} : vexp(sv - m_new);
+            vf sv = ld(sp);
+            vf p = sv == ninf ? (vf){} : vexp(sv - m_new);
             st(sp, p);
             sum += p;
         }
-        for (int t = tn; t < KT; t++) st(w.S + t * R16 + r0, (v16){});
+        for (int t = tn; t < KT; t++) st(w.S + t * R16 + r0, (vf){});
         st(w.l + r0, ld(w.l + r0) * corr + sum);
         st(w.m + r0, m_new);
-        for (int i = 0; i < 16; i++)
+        for (int i = 0; i < VL; i++)
             if (corr[i] != 1.0f) {
                 float *acc = w.acc + (int64_t)(r0 + i) * d;
-                for (int j = 0; j < DV; j++) st(acc + 16 * j, ld(acc + 16 * j) * corr[i]);
+                for (int j = 0; j < DV; j++) st(acc + VL * j, ld(acc + VL * j) * corr[i]);
             }
     }
 }
 
-template <int DV>
+template <int D16>
 static void run_item(const Args &a, const Item &it, Scratch &w, float *part) {
-    const int d = DV * 16, g = a.group;
+    enum { DV = D16 * 16 / VL };   // vectors a row
+    const int d = D16 * 16, g = a.group;
     const int q_len = a.qo[it.seq + 1] - a.qo[it.seq], n = a.kvlen[it.seq];
     const int rows = (it.q1 - it.q0) * g, rows4 = (rows + 3) & ~3;
     // the block's query rows, scaled, zero-padded to a multiple of 4 (16 for the transposed scores)
@@ -178,7 +184,7 @@ static void run_item(const Args &a, const Item &it, Scratch &w, float *part) {
         if (r >= rows) { memset(dst, 0, sizeof(float) * d); continue; }
         int tok = a.qo[it.seq] + it.q0 + r / g, head = it.head * g + r % g;
         const float *src = a.q + (int64_t)tok * a.qstride + (int64_t)head * d;
-        for (int j = 0; j < DV; j++) st(dst + 16 * j, ld(src + 16 * j) * a.scale);
+        for (int j = 0; j < DV; j++) st(dst + VL * j, ld(src + VL * j) * a.scale);
     }
     const int R16 = (rows + 15) & ~15;
     for (int r = 0; r < R16; r++) {
@@ -211,46 +217,51 @@ static void run_item(const Args &a, const Item &it, Scratch &w, float *part) {
             const float *q0 = w.Q;
             for (int t = 0; t < tn; t++) {
                 const float *k = w.kp[t];
-                v16 kv[DV];
+                vf kv[DV];
                 for (int j = 0; j < DV; j++) {
-                    kv[j] = ld(k + 16 * j);
-                    IN_REG(kv[j]);
+                    kv[j] = ld(k + VL * j);
+                    if (DV + 2 <= VREGS) IN_REG(kv[j]);
                 }
                 for (int i = 0; i < 4; i++) {
-                    v16 acc = ld(q0 + i * d) * kv[0];
-                    for (int j = 1; j < DV; j++) acc += ld(q0 + i * d + 16 * j) * kv[j];
+                    vf acc = ld(q0 + i * d) * kv[0];
+                    for (int j = 1; j < DV; j++) acc += ld(q0 + i * d + VL * j) * kv[j];
                     w.S[i * KT + t] = hsum(acc);
                 }
             }
             for (int i = 0; i < 4; i++)
                 for (int t = tn; t < KT; t++) w.S[i * KT + t] = 0.0f;
-            softmax_rows<DV>(w, rows, n - q_len + it.q0, g, t0, tn);
+            softmax_rows<D16>(w, rows, n - q_len + it.q0, g, t0, tn);
         } else {
-            scores_t<DV>(w, R16, tn);
-            softmax_t<DV>(w, R16, t0, tn);
+            scores_t<D16>(w, R16, tn);
+            softmax_t<D16>(w, R16, t0, tn);
         }
         // acc[r] += sum_t P[r][t] V[t]; P is S, by rows (decode) or by keys (transposed)
         const int prs = rows4 == 4 ? KT : 1, pts = rows4 == 4 ? 1 : R16;
-        enum { RB = DV <= 4 ? 4 : DV <= 8 ? 2 : 1 };
-        for (int r0 = 0; r0 < rows4; r0 += RB) {
-            v16 acc[RB][DV];
-            for (int i = 0; i < RB; i++)
-                for (int j = 0; j < DV; j++) acc[i][j] = ld(w.acc + (int64_t)(r0 + i) * d + 16 * j);
-            for (int t = 0; t < tn; t++) {
-                v16 v[DV];
-                const float *vr = w.vp[t];
-                for (int j = 0; j < DV; j++) {
-                    v[j] = ld(vr + 16 * j);
-                    IN_REG(v[j]);
+        // RB rows by CV vectors of columns a pass, their accumulators in registers, and the value row's
+        // CV vectors too where they fit: with AVX-512 a whole row (CV = DV up to 128 dims); with 16
+        // registers a part of it, so that each value load serves two or four rows
+        enum { CV = VREGS >= 32 ? DV : DV % 4 == 0 ? 4 : DV % 3 == 0 ? 3 : DV % 2 == 0 ? 2 : 1,
+               RB = CV <= VREGS / 8 ? 4 : CV <= VREGS / 4 ? 2 : 1, KEEP_V = CV * (RB + 1) + 1 <= VREGS };
+        for (int c0 = 0; c0 < d; c0 += CV * VL)
+            for (int r0 = 0; r0 < rows4; r0 += RB) {
+                vf acc[RB][CV];
+                for (int i = 0; i < RB; i++)
+                    for (int j = 0; j < CV; j++) acc[i][j] = ld(w.acc + (int64_t)(r0 + i) * d + c0 + VL * j);
+                for (int t = 0; t < tn; t++) {
+                    vf v[CV];
+                    const float *vr = w.vp[t] + c0;
+                    for (int j = 0; j < CV; j++) {
+                        v[j] = ld(vr + VL * j);
+                        if (KEEP_V) IN_REG(v[j]);
+                    }
+                    for (int i = 0; i < RB; i++) {
+                        vf p = bc(w.S[(r0 + i) * prs + t * pts]);
+                        for (int j = 0; j < CV; j++) acc[i][j] += p * v[j];
+                    }
                 }
-                for (int i = 0; i < RB; i++) {
-                    v16 p = bc(w.S[(r0 + i) * prs + t * pts]);
-                    for (int j = 0; j < DV; j++) acc[i][j] += p * v[j];
-                }
+                for (int i = 0; i < RB; i++)
+                    for (int j = 0; j < CV; j++) st(w.acc + (int64_t)(r0 + i) * d + c0 + VL * j, acc[i][j]);
             }
-            for (int i = 0; i < RB; i++)
-                for (int j = 0; j < DV; j++) st(w.acc + (int64_t)(r0 + i) * d + 16 * j, acc[i][j]);
-        }
     }
     if (it.slot >= 0) {   // a split: keep acc, m and l for the merge
         float *p = part + (int64_t)it.slot * MAX_ROWS * (d + 2);
@@ -266,7 +277,7 @@ static void run_item(const Args &a, const Item &it, Scratch &w, float *part) {
         float *dst = a.out + ((int64_t)tok * a.nh + head) * d;
         float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
         const float *acc = w.acc + (int64_t)r * d;
-        for (int j = 0; j < DV; j++) st(dst + 16 * j, ld(acc + 16 * j) * inv);
+        for (int j = 0; j < DV; j++) st(dst + VL * j, ld(acc + VL * j) * inv);
     }
 }
 

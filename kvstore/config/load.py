@@ -21,6 +21,8 @@ ENV_CONFIG_FILE = "KVSTORE_CONFIG"
 EXTRA_ENV_VARS: dict[str, str] = {
     "KVSTORE_TEST_VLLM": "scripts/test: 0 leaves out the vLLM venv and the connector's tests",
     "KVSTORE_TEST_SGLANG": "scripts/test: 0 leaves out the SGLang venv and the HiCache backend's tests",
+    "KVSTORE_KERNEL_MARCH": "the engine's compiled CPU kernels are built for this -march (default native), "
+                            "e.g. x86-64-v3 for AVX2 without AVX-512",
 }
 
 

@@ -125,14 +125,14 @@ def test_unknown_or_unavailable_backend_is_a_clear_error():
         create_backend("native", torch.device("cpu"), torch.float32, 72)
 
 
-def test_auto_picks_native_on_an_avx512_cpu_for_float32_and_sdpa_otherwise(monkeypatch):
+def test_auto_picks_native_on_an_avx512_or_avx2_cpu_for_float32_and_sdpa_otherwise(monkeypatch):
     from engine.attention import native
     from engine.attention.native import NativeBackend
     from engine.attention.sdpa import SdpaBackend
     expected = SdpaBackend if native.preferred() else NativeBackend
     assert isinstance(create_backend("auto", torch.device("cpu"), torch.float32, D), expected)
     assert isinstance(create_backend("auto", torch.device("cpu"), torch.bfloat16, D), SdpaBackend)
-    monkeypatch.setattr(native, "preferred", lambda: "this CPU has no AVX-512")
+    monkeypatch.setattr(native, "preferred", lambda: "this CPU has neither AVX-512 nor AVX2")
     assert isinstance(create_backend("auto", torch.device("cpu"), torch.float32, D), SdpaBackend)
     assert isinstance(create_backend("native", torch.device("cpu"), torch.float32, D), NativeBackend)   # asked for
 

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.usefixtures("native_kernels")
 
 @pytest.fixture
 def native_kernels(monkeypatch):
-    """The kernels where they can run, on any CPU: where `auto` would not pick them (no AVX-512:
-    they run, exactly, but more slowly than PyTorch's ops), Projection is made to take them."""
+    """The kernels where they can run, on any CPU: where `auto` would not pick them (neither AVX-512
+    nor AVX2: they run, exactly, but were not measured there), Projection is made to take them."""
     from engine.attention import native
     why = native.available(torch.float32)
     requires(why is None, f"the native kernels do not run here: {why}")
