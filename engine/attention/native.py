@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.layer_ops import TORCH_OPS
 from kvstore.errors import NotBuilt
-from kvstore.native import build as native_build, report
+from kvstore.native import build as native_build, compiler, report
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("layer_ops.cpp"), SOURCE.with_name("linear.cpp"))   # one library
@@ -39,9 +40,37 @@ VERSION = 2   # kv_attention_version() of the source
 _lib = None
 
 
+# what a -march may turn on, by the compiler's macro and the flag /proc/cpuinfo shows for it
+_X86_SETS = {"__AVX512F__": "avx512f", "__AVX2__": "avx2", "__FMA__": "fma", "__AVX__": "avx"}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+def _beyond_this_cpu(march: str) -> str | None:
+    """The instruction set that -march=`march` builds for and this x86-64 CPU lacks (the library would
+    die of an illegal instruction), or None."""
+    cxx = compiler()
+    flags = _cpu_flags()
+    if cxx is None or not flags or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    done = subprocess.run([cxx, f"-march={march}", "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True,
+                          text=True)
+    return next((flag for macro, flag in _X86_SETS.items()
+                 if f"#define {macro} 1" in done.stdout and flag not in flags), None)
+
+
 def build() -> Path:
     """The kernel's shared library, compiled now unless it already is. NotBuilt when it cannot be."""
     march = os.environ.get(MARCH_ENV) or "native"
+    if march != "native" and (missing := _beyond_this_cpu(march)):
+        raise NotBuilt(f"{MARCH_ENV}={march} builds the native kernels for {missing}, which this CPU does not "
+                       f"have; unset it or name an older CPU (x86-64-v3: AVX2)")
     return native_build("paged_attention", "the native attention kernel", SOURCES, HEADERS, (*FLAGS, f"-march={march}"),
                         remedy="use engine.attention_backend: sdpa" + (f", or unset {MARCH_ENV}" if march != "native" else ""))
 
@@ -79,11 +108,7 @@ def preferred() -> str | None:
     not measured against sdpa, so `auto` leaves them out there."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the native kernels were measured on x86-64 with AVX-512 or AVX2, not on {platform.machine()}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        flags = set()
+    flags = _cpu_flags()
     if "avx512f" not in flags and not {"avx2", "fma"} <= flags:
         return "the native kernels want AVX-512, or AVX2 with FMA, and this CPU has neither (sdpa is faster here)"
     return None

@@ -6,6 +6,7 @@ refuses is a one-line error, with `auto` falling back to sdpa."""
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,18 @@ def test_a_march_the_compiler_refuses_is_a_clear_error(monkeypatch, tmp_path):
         create_backend("native", torch.device("cpu"), torch.float32, 64)
     assert "\n" not in str(exc.value) and "no-such-cpu" in str(exc.value)
     assert isinstance(create_backend("auto", torch.device("cpu"), torch.float32, 64), SdpaBackend)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64's instruction sets")
+def test_a_march_beyond_this_cpu_is_refused_before_it_could_crash(monkeypatch, tmp_path):
+    """On an AVX2 CPU (its flags as /proc/cpuinfo would show them) a build for AVX-512 is refused: the
+    library would die of an illegal instruction at its first call."""
+    from engine.attention import native
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"sse2", "avx", "avx2", "fma"})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("KVSTORE_KERNEL_MARCH", "skylake-avx512")
+    with pytest.raises(ConfigError, match="KVSTORE_KERNEL_MARCH=skylake-avx512 builds the native kernels for avx512f"):
+        create_backend("native", torch.device("cpu"), torch.float32, 64)
+    monkeypatch.setenv("KVSTORE_KERNEL_MARCH", "x86-64-v3")   # within this CPU: built
+    assert isinstance(create_backend("native", torch.device("cpu"), torch.float32, 64), native.NativeBackend)
