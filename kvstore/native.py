@@ -33,6 +33,16 @@ def compiler() -> str | None:
     return None
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them in /proc/cpuinfo (avx2, avx512f, ..); empty where
+    they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1] for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
 def _cpu() -> str:
     try:
         info = Path("/proc/cpuinfo").read_text()

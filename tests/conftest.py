@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.native import cpu_flags
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -53,11 +55,7 @@ ONE_PASS_FLAGS = {2: "avx512f", 1: "avx2"}
 def one_pass_levels() -> list[int]:
     """The one-pass read levels this CPU's flags (as Linux reports them in /proc/cpuinfo) allow,
     widest first: the native copy must run each of them. None where the flags cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
+    flags = cpu_flags()
     return [level for level, flag in sorted(ONE_PASS_FLAGS.items(), reverse=True) if flag in flags]
 
 

@@ -27,7 +27,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionBatch
 from engine.layer_ops import TORCH_OPS
 from kvstore.errors import NotBuilt
-from kvstore.native import build as native_build, compiler, report
+from kvstore.native import build as native_build, compiler, cpu_flags, report
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("layer_ops.cpp"), SOURCE.with_name("linear.cpp"))   # one library
@@ -42,22 +42,15 @@ _lib = None
 
 # what a -march may turn on, by the compiler's macro and the flag /proc/cpuinfo shows for it
 _X86_SETS = {"__AVX512F__": "avx512f", "__AVX2__": "avx2", "__FMA__": "fma", "__AVX__": "avx"}
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
+_X86_64 = ("x86_64", "AMD64")
 
 
 def _beyond_this_cpu(march: str) -> str | None:
     """The instruction set that -march=`march` builds for and this x86-64 CPU lacks (the library would
     die of an illegal instruction), or None."""
     cxx = compiler()
-    flags = _cpu_flags()
-    if cxx is None or not flags or platform.machine() not in ("x86_64", "AMD64"):
+    flags = cpu_flags()
+    if cxx is None or not flags or platform.machine() not in _X86_64:
         return None
     done = subprocess.run([cxx, f"-march={march}", "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True,
                           text=True)
@@ -106,9 +99,9 @@ def preferred() -> str | None:
     with AVX-512, or AVX2 and FMA, they are faster than sdpa and oneDNN's linears at a cached-prefix hit
     and in decode (scripts/bench_attention.py, BENCHMARKS.md). Elsewhere they run, exactly, but were
     not measured against sdpa, so `auto` leaves them out there."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if platform.machine() not in _X86_64:
         return f"the native kernels were measured on x86-64 with AVX-512 or AVX2, not on {platform.machine()}"
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if "avx512f" not in flags and not {"avx2", "fma"} <= flags:
         return "the native kernels want AVX-512, or AVX2 with FMA, and this CPU has neither (sdpa is faster here)"
     return None

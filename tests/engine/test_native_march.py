@@ -5,38 +5,27 @@ refuses is a one-line error, with `auto` falling back to sdpa."""
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import REPO, clean_env, requires
 from engine.attention import create_backend
 from kvstore.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return set()
+from kvstore.native import cpu_flags
 
 
 def with_march(march: str | None, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_KERNEL_MARCH"}
-    if march is not None:
-        env["KVSTORE_KERNEL_MARCH"] = march
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    """This Python run with `args` here, the kernels built for -march=`march` (None: this CPU's own)."""
+    env = clean_env(**({"KVSTORE_KERNEL_MARCH": march} if march else {}))
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="needs an x86-64 CPU with AVX2 and FMA")
 def test_the_avx2_build_passes_the_native_tests():
+    requires({"avx2", "fma"} <= cpu_flags(), "the AVX2 build needs an x86-64 CPU with AVX2 and FMA")
     where = with_march("x86-64-v3", "-c", "from engine.attention import native; print(native.build())")
     assert where.returncode == 0, where.stderr
     default = with_march(None, "-c", "from engine.attention import native; print(native.build())")
@@ -61,13 +50,13 @@ def test_a_march_the_compiler_refuses_is_a_clear_error(monkeypatch, tmp_path):
     assert isinstance(create_backend("auto", torch.device("cpu"), torch.float32, 64), SdpaBackend)
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64's instruction sets")
 def test_a_march_beyond_this_cpu_is_refused_before_it_could_crash(monkeypatch, tmp_path):
     """On an AVX2 CPU (its flags as /proc/cpuinfo would show them) a build for AVX-512 is refused: the
     library would die of an illegal instruction at its first call."""
+    requires(platform.machine() == "x86_64", "x86-64's -march names and instruction sets")
     from engine.attention import native
     monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(native, "_cpu_flags", lambda: {"sse2", "avx", "avx2", "fma"})
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"sse2", "avx", "avx2", "fma"})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("KVSTORE_KERNEL_MARCH", "skylake-avx512")
     with pytest.raises(ConfigError, match="KVSTORE_KERNEL_MARCH=skylake-avx512 builds the native kernels for avx512f"):
