@@ -6,7 +6,9 @@ kernel), `sdpa` (ATen's flash kernel, split-K over runs of slots) and `torch` (t
 
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head dim 64, pages of 16 tokens, float32):
     hit       32 query tokens after a 4,096-token cached prefix (one sequence)
+    question  64 query tokens after an 8,192-token cached prefix (`long_doc_qa`'s round 2)
     chunk     a 512-token prefill chunk after 1,536 cached tokens
+    late      a 512-token prefill chunk after 7,680 cached tokens
     prefill   a 2,048-token prompt, causal
     decode    8 sequences of 200 tokens, one query each
 Each shape runs over --layers separate layer caches in turn (30, the model's: 190 MB of KV for the
@@ -32,7 +34,8 @@ from engine.attention import create_backend  # noqa: E402
 from engine.attention.base import AttentionBatch  # noqa: E402
 
 PS, HQ, HKV, D = 16, 9, 3, 64
-SHAPES = {"hit": ([32], [4128]), "chunk": ([512], [2048]), "prefill": ([2048], [2048]), "decode": ([1] * 8, [200] * 8)}
+SHAPES = {"hit": ([32], [4128]), "question": ([64], [8256]), "chunk": ([512], [2048]), "late": ([512], [8192]),
+          "prefill": ([2048], [2048]), "decode": ([1] * 8, [200] * 8)}
 
 
 def batch_for(q_lens: list[int], kv_lens: list[int]) -> tuple[AttentionBatch, int]:
@@ -52,7 +55,8 @@ def run(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(0)
     out: dict = {"benchmark": "attention", "threads": args.threads, "layers": args.layers, "repeat": args.repeat,
                  "statistic": "median ms a layer", "shapes": {}}
-    for name, (q_lens, kv_lens) in SHAPES.items():
+    for name in args.shapes:
+        q_lens, kv_lens = SHAPES[name]
         batch, pages = batch_for(q_lens, kv_lens)
         caches = [torch.randn((2, pages, PS, HKV, D), generator=gen) for _ in range(args.layers)]
         q = torch.randn((sum(q_lens), HQ, D), generator=gen)
@@ -85,7 +89,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch (and kernel) threads (default 2)")
     ap.add_argument("--repeat", type=int, default=10, help="passes over the layers; the median is reported (default 10)")
     ap.add_argument("--layers", type=int, default=30, help="separate layer caches a pass goes through (default 30)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated shapes to run (default all: {','.join(SHAPES)})")
     args = ap.parse_args()
+    args.shapes = [x for x in args.shapes.split(",") if x]
+    unknown = [x for x in args.shapes if x not in SHAPES]
+    if unknown or not args.shapes:
+        ap.error(f"--shapes: unknown shape {', '.join(unknown) or '(none given)'}; known: {', '.join(SHAPES)}")
     for flag in ("threads", "repeat", "layers"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be an integer >= 1")

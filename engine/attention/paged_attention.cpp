@@ -24,10 +24,15 @@
 
 #include "simd.h"
 
-enum { KT = 64, KV = KT / VL, MAX_ROWS = 96, MIN_SPLIT = 256 };
+// A query block takes ROWS rows, or WIDE_ROWS when its sequence's cached prefix is at least WIDE_PREFIX
+// times its queries (a question after a long document): the prefix's K and V are then read once for
+// twice the rows, while a prefill keeps the smaller blocks that balance its causal triangle.
+enum { KT = 64, KV = KT / VL, ROWS = 96, WIDE_ROWS = 192, WIDE_PREFIX = 8, MAX_ROWS = WIDE_ROWS, MIN_SPLIT = 256 };
 // keys a score block takes (simd.h's VREGS), so that its 2 x SKEYS accumulators stay in registers: 8
 // with AVX-512 (32 registers), 4 with AVX2 (16; 6 measured no faster)
 enum { SKEYS = VREGS >= 32 ? 8 : 4 };
+// rows a group takes through scores, softmax and P.V in turn (a multiple of VL)
+enum { GROUP_ROWS = 2 * VL };
 
 struct Args {
     const float *q; int64_t qstride; float *out;   // q: qstride elements between tokens, head_dim between heads
@@ -127,23 +132,24 @@ static void scores_block(Scratch &w, int R16, int rows0, int tb, int tn) {
         for (int i = 0; i < SKEYS; i++) st(w.S + (tb + i) * R16 + rows0 + VL * gi, acc[gi][i]);
 }
 
+// scores of rows r_begin .. r_end - 1 (multiples of VL) for the tile's keys
 template <int D16>
-static void scores_t(Scratch &w, int R16, int tn) {
+static void scores_t(Scratch &w, int R16, int r_begin, int r_end, int tn) {
     for (int tb = 0; tb < tn; tb += SKEYS) {
-        int r0 = 0;
-        for (; r0 + 2 * VL <= R16; r0 += 2 * VL) scores_block<D16, 2>(w, R16, r0, tb, tn);
-        if (r0 < R16) scores_block<D16, 1>(w, R16, r0, tb, tn);
+        int r0 = r_begin;
+        for (; r0 + 2 * VL <= r_end; r0 += 2 * VL) scores_block<D16, 2>(w, R16, r0, tb, tn);
+        if (r0 < r_end) scores_block<D16, 1>(w, R16, r0, tb, tn);
     }
 }
 
 // online softmax of scores by keys, VL rows at a time in lanes: masked keys (past a row's position, or
 // past tn) get P = 0; rows whose running max rises have their accumulators rescaled
 template <int D16>
-static void softmax_t(Scratch &w, int R16, int t0, int tn) {
+static void softmax_t(Scratch &w, int R16, int r_begin, int r_end, int t0, int tn) {
     enum { DV = D16 * 16 / VL };
     const int d = D16 * 16;
     const vf ninf = bc(-INFINITY);
-    for (int r0 = 0; r0 < R16; r0 += VL) {
+    for (int r0 = r_begin; r0 < r_end; r0 += VL) {
         vf pos = ld(w.pos + r0), m = ld(w.m + r0), mx = ninf;
         for (int t = 0; t < tn; t++) {
             float *sp = w.S + t * R16 + r0;
@@ -170,6 +176,39 @@ static void softmax_t(Scratch &w, int R16, int t0, int tn) {
                 for (int j = 0; j < DV; j++) st(acc + VL * j, ld(acc + VL * j) * corr[i]);
             }
     }
+}
+
+// acc[r] += sum_t P[r][t] V[t] for rows r_begin .. r_end - 1 (multiples of 4); P is S, prs floats
+// between rows and pts between keys (by rows for a decode, by keys otherwise)
+template <int D16>
+static void pv(Scratch &w, int r_begin, int r_end, int tn, int prs, int pts) {
+    enum { DV = D16 * 16 / VL };
+    const int d = D16 * 16;
+    // RB rows by CV vectors of columns a pass, their accumulators in registers, and the value row's
+    // CV vectors too where they fit: with AVX-512 a whole row (CV = DV up to 128 dims); with 16
+    // registers a part of it, so that each value load serves two or four rows
+    enum { CV = VREGS >= 32 ? DV : DV % 4 == 0 ? 4 : DV % 3 == 0 ? 3 : DV % 2 == 0 ? 2 : 1,
+           RB = CV <= VREGS / 8 ? 4 : CV <= VREGS / 4 ? 2 : 1, KEEP_V = CV * (RB + 1) + 1 <= VREGS };
+    for (int c0 = 0; c0 < d; c0 += CV * VL)
+        for (int r0 = r_begin; r0 < r_end; r0 += RB) {
+            vf acc[RB][CV];
+            for (int i = 0; i < RB; i++)
+                for (int j = 0; j < CV; j++) acc[i][j] = ld(w.acc + (int64_t)(r0 + i) * d + c0 + VL * j);
+            for (int t = 0; t < tn; t++) {
+                vf v[CV];
+                const float *vr = w.vp[t] + c0;
+                for (int j = 0; j < CV; j++) {
+                    v[j] = ld(vr + VL * j);
+                    if (KEEP_V) IN_REG(v[j]);
+                }
+                for (int i = 0; i < RB; i++) {
+                    vf p = bc(w.S[(r0 + i) * prs + t * pts]);
+                    for (int j = 0; j < CV; j++) acc[i][j] += p * v[j];
+                }
+            }
+            for (int i = 0; i < RB; i++)
+                for (int j = 0; j < CV; j++) st(w.acc + (int64_t)(r0 + i) * d + c0 + VL * j, acc[i][j]);
+        }
 }
 
 template <int D16>
@@ -231,37 +270,17 @@ static void run_item(const Args &a, const Item &it, Scratch &w, float *part) {
             for (int i = 0; i < 4; i++)
                 for (int t = tn; t < KT; t++) w.S[i * KT + t] = 0.0f;
             softmax_rows<D16>(w, rows, n - q_len + it.q0, g, t0, tn);
-        } else {
-            scores_t<D16>(w, R16, tn);
-            softmax_t<D16>(w, R16, t0, tn);
+            pv<D16>(w, 0, 4, tn, KT, 1);
+            continue;
         }
-        // acc[r] += sum_t P[r][t] V[t]; P is S, by rows (decode) or by keys (transposed)
-        const int prs = rows4 == 4 ? KT : 1, pts = rows4 == 4 ? 1 : R16;
-        // RB rows by CV vectors of columns a pass, their accumulators in registers, and the value row's
-        // CV vectors too where they fit: with AVX-512 a whole row (CV = DV up to 128 dims); with 16
-        // registers a part of it, so that each value load serves two or four rows
-        enum { CV = VREGS >= 32 ? DV : DV % 4 == 0 ? 4 : DV % 3 == 0 ? 3 : DV % 2 == 0 ? 2 : 1,
-               RB = CV <= VREGS / 8 ? 4 : CV <= VREGS / 4 ? 2 : 1, KEEP_V = CV * (RB + 1) + 1 <= VREGS };
-        for (int c0 = 0; c0 < d; c0 += CV * VL)
-            for (int r0 = 0; r0 < rows4; r0 += RB) {
-                vf acc[RB][CV];
-                for (int i = 0; i < RB; i++)
-                    for (int j = 0; j < CV; j++) acc[i][j] = ld(w.acc + (int64_t)(r0 + i) * d + c0 + VL * j);
-                for (int t = 0; t < tn; t++) {
-                    vf v[CV];
-                    const float *vr = w.vp[t] + c0;
-                    for (int j = 0; j < CV; j++) {
-                        v[j] = ld(vr + VL * j);
-                        if (KEEP_V) IN_REG(v[j]);
-                    }
-                    for (int i = 0; i < RB; i++) {
-                        vf p = bc(w.S[(r0 + i) * prs + t * pts]);
-                        for (int j = 0; j < CV; j++) acc[i][j] += p * v[j];
-                    }
-                }
-                for (int i = 0; i < RB; i++)
-                    for (int j = 0; j < CV; j++) st(w.acc + (int64_t)(r0 + i) * d + c0 + VL * j, acc[i][j]);
-            }
+        // the rows a group at a time (scores, softmax, P.V), so that the group's scores stay in the
+        // L1 cache between the three and the tile's keys and values in L2 across the groups
+        for (int rg = 0; rg < R16; rg += GROUP_ROWS) {
+            const int re = rg + GROUP_ROWS < R16 ? rg + GROUP_ROWS : R16;
+            scores_t<D16>(w, R16, rg, re, tn);
+            softmax_t<D16>(w, R16, rg, re, t0, tn);
+            if (rg < rows4) pv<D16>(w, rg, re < rows4 ? re : rows4, tn, 1, R16);
+        }
     }
     if (it.slot >= 0) {   // a split: keep acc, m and l for the merge
         float *p = part + (int64_t)it.slot * MAX_ROWS * (d + 2);
@@ -323,17 +342,22 @@ int kv_paged_attention(const float *q, int64_t qstride, float *out, const float 
     if (threads < 1) threads = 1;
     Args a = {q, qstride, out, kb, vb, pstride, wkb, wvb, wpstride, nseq, qo, kvlen, pindptr, pages, nwarm,
               nh, kvh, d, ps, nh / kvh, scale, ps > 0 && (ps & (ps - 1)) == 0 ? __builtin_ctz(ps) : -1};
-    const int g = a.group, qb = MAX_ROWS / g > 0 ? MAX_ROWS / g : 1;
+    const int g = a.group;
+    // query tokens a block of sequence i takes
+    auto block_of = [&](int i) {
+        int q_len = qo[i + 1] - qo[i], rows = kvlen[i] - q_len >= WIDE_PREFIX * q_len ? WIDE_ROWS : ROWS;
+        return rows / g > 0 ? rows / g : 1;
+    };
     // blocks without splits, then split key ranges while there are too few items for the threads
     int blocks = 0;
-    for (int i = 0; i < nseq; i++) blocks += (qo[i + 1] - qo[i] + qb - 1) / qb * kvh;
+    for (int i = 0; i < nseq; i++) blocks += (qo[i + 1] - qo[i] + block_of(i) - 1) / block_of(i) * kvh;
     int target = 8 * threads, nsplit_max = blocks >= target ? 1 : (target + blocks - 1) / blocks;
     int cap = blocks * nsplit_max + 1;
     Item *items = (Item *)malloc(sizeof(Item) * cap);
     int *groups = (int *)malloc(sizeof(int) * (blocks + 1));
     int ni = 0, ng = 0, slots = 0;
     for (int i = 0; i < nseq; i++) {
-        int q_len = qo[i + 1] - qo[i], n = kvlen[i];
+        int q_len = qo[i + 1] - qo[i], n = kvlen[i], qb = block_of(i);
         for (int h = 0; h < kvh; h++)
             for (int b0 = 0; b0 < q_len; b0 += qb) {
                 int b1 = b0 + qb < q_len ? b0 + qb : q_len;

@@ -73,11 +73,12 @@ def test_fast_backends_match_torch_reference(q_lens, kv_lens, dtype, tol, name):
 @pytest.mark.parametrize("layout", ["runs", "broken", "scattered"])
 @pytest.mark.parametrize("q_lens,kv_lens", [([32], [300]), ([17], [17]), ([40], [301]), ([1, 1, 1], [600, 33, 700]),
                                             ([1, 25, 1], [900, 250, 17]), ([64, 1], [64, 520]), ([200], [1000]),
-                                            ([1] * 8, [700] * 8)])
+                                            ([1] * 8, [700] * 8), ([100, 40], [1000, 60])])
 def test_in_place_paths_match_the_reference(q_lens, kv_lens, layout, name):
     """sdpa: prefix runs read in place, prefixes gathered (more runs than MAX_RUNS), a chunk in one run
     or straddling runs, long decodes one by one; native: the same batches in one call, key ranges split
-    across threads, several query blocks. All equal the reference within float32's tolerance."""
+    across threads, several query blocks (the wide blocks of a question after a long prefix beside the
+    narrow ones of a prefill). All equal the reference within float32's tolerance."""
     batch, q, cache = random_batch("cpu", torch.float32, q_lens, kv_lens, num_pages=512, layout=layout)
     ref, fast = create_backend("torch", batch.device), create_backend(name, batch.device, torch.float32, D)
     ref.plan(batch, torch.float32)
