@@ -119,7 +119,7 @@ def test_attention_benchmark_report(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["benchmark"] == "attention" and report["layers"] == 1 and report["repeat"] == 1
-    assert set(report["shapes"]) == {"hit", "chunk", "prefill", "decode"}
+    assert set(report["shapes"]) == {"hit", "question", "chunk", "late", "prefill", "decode"}
     for name, row in report["shapes"].items():
         for backend in ("native", "sdpa") + (() if name == "prefill" else ("torch",)):
             assert positive(row[backend]["ms"]) and row[backend]["max_abs_diff"] < 1e-4, (name, backend)
@@ -127,3 +127,11 @@ def test_attention_benchmark_report(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_attention.py"), "--repeat", "0"],
                          capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=60)
     assert bad.returncode == 2 and "--repeat must be an integer >= 1" in bad.stderr
+    some = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_attention.py"), "--repeat", "1", "--layers", "1",
+                           "--shapes", "decode,hit"], capture_output=True, text=True, env=clean_env(), cwd=tmp_path,
+                          timeout=120)
+    assert some.returncode == 0, some.stderr
+    assert list(json.loads(some.stdout)["shapes"]) == ["decode", "hit"]
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_attention.py"), "--shapes", "hit,huge"],
+                         capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=60)
+    assert bad.returncode == 2 and "--shapes: unknown shape huge" in bad.stderr and bad.stdout == ""
