@@ -9,7 +9,8 @@
 // read once for all the heads that share it. Keys are taken in tiles of KT (the next tile
 // prefetched): scores by a register-blocked micro-kernel with the rows in vector lanes (each key
 // element broadcast; a decode's few rows take dot products instead), an online softmax (running
-// max and sum a row, vectorized across rows), then P.V accumulated into the rows. When there are
+// max and sum a row, vectorized across rows), then P.V accumulated into the rows; a block's rows go
+// through the three a group at a time, so that the group's scores stay in L1. When there are
 // too few items to keep every thread busy, key ranges are split and the splits merged by their
 // log-sum-exp.
 //
