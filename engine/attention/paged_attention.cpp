@@ -44,7 +44,9 @@ struct Args {
     int pshift;   // log2(ps) when ps is a power of two (always, from the engine), else -1
 };
 
-struct Item { int seq, head, q0, q1, k0, k1, split, slot; };
+// part: where a split item keeps its rows' acc, m and l for the merge (floats into the call's part buffer,
+// rows x (d + 2)); -1 for an item that is not split
+struct Item { int seq, head, q0, q1, k0, k1, split; int64_t part; };
 
 struct Scratch { float *Q, *Qt, *S, *acc, *m, *l, *pos; const float **kp, **vp; };
 
@@ -283,8 +285,8 @@ static void run_item(const Args &a, const Item &it, Scratch &w, float *part) {
             if (rg < rows4) pv<D16>(w, rg, re < rows4 ? re : rows4, tn, 1, R16);
         }
     }
-    if (it.slot >= 0) {   // a split: keep acc, m and l for the merge
-        float *p = part + (int64_t)it.slot * MAX_ROWS * (d + 2);
+    if (it.part >= 0) {   // a split: keep acc, m and l for the merge
+        float *p = part + it.part;
         for (int r = 0; r < rows; r++) {
             memcpy(p + (int64_t)r * (d + 2), w.acc + (int64_t)r * d, sizeof(float) * d);
             p[(int64_t)r * (d + 2) + d] = w.m[r];
@@ -308,7 +310,7 @@ static void merge_splits(const Args &a, const Item *items, int first, int count,
     for (int r = 0; r < rows; r++) {
         float M = -INFINITY;
         for (int s = 0; s < count; s++) {
-            float m = part[(int64_t)items[first + s].slot * MAX_ROWS * (d + 2) + (int64_t)r * (d + 2) + d];
+            float m = part[items[first + s].part + (int64_t)r * (d + 2) + d];
             M = m > M ? m : M;
         }
         int tok = a.qo[it.seq] + it.q0 + r / g, head = it.head * g + r % g;
@@ -316,7 +318,7 @@ static void merge_splits(const Args &a, const Item *items, int first, int count,
         for (int x = 0; x < d; x++) dst[x] = 0.0f;
         float L = 0.0f;
         for (int s = 0; s < count; s++) {
-            const float *p = part + (int64_t)items[first + s].slot * MAX_ROWS * (d + 2) + (int64_t)r * (d + 2);
+            const float *p = part + items[first + s].part + (int64_t)r * (d + 2);
             if (p[d + 1] == 0.0f) continue;
             float wgt = expf(p[d] - M);
             L += p[d + 1] * wgt;
@@ -351,12 +353,16 @@ int kv_paged_attention(const float *q, int64_t qstride, float *out, const float 
     };
     // blocks without splits, then split key ranges while there are too few items for the threads
     int blocks = 0;
-    for (int i = 0; i < nseq; i++) blocks += (qo[i + 1] - qo[i] + block_of(i) - 1) / block_of(i) * kvh;
+    for (int i = 0; i < nseq; i++) {
+        int qb = block_of(i);
+        blocks += (qo[i + 1] - qo[i] + qb - 1) / qb * kvh;
+    }
     int target = 8 * threads, nsplit_max = blocks >= target ? 1 : (target + blocks - 1) / blocks;
     int cap = blocks * nsplit_max + 1;
     Item *items = (Item *)malloc(sizeof(Item) * cap);
     int *groups = (int *)malloc(sizeof(int) * (blocks + 1));
-    int ni = 0, ng = 0, slots = 0;
+    int ni = 0, ng = 0;
+    int64_t part_floats = 0;
     for (int i = 0; i < nseq; i++) {
         int q_len = qo[i + 1] - qo[i], n = kvlen[i], qb = block_of(i);
         for (int h = 0; h < kvh; h++)
@@ -375,12 +381,13 @@ int kv_paged_attention(const float *q, int64_t qstride, float *out, const float 
                 for (int s = 0; s < ns; s++) {
                     int k0 = s * step, k1 = k0 + step < keys ? k0 + step : keys;
                     if (k0 >= keys) break;
-                    items[ni++] = (Item){i, h, b0, b1, k0, k1, s, ns > 1 ? slots++ : -1};
+                    items[ni++] = (Item){i, h, b0, b1, k0, k1, s, ns > 1 ? part_floats : -1};
+                    if (ns > 1) part_floats += (int64_t)(b1 - b0) * g * (d + 2);
                 }
             }
     }
     groups[ng] = ni;
-    float *part = slots ? (float *)malloc(sizeof(float) * (size_t)slots * MAX_ROWS * (d + 2)) : NULL;
+    float *part = part_floats ? (float *)malloc(sizeof(float) * (size_t)part_floats) : NULL;
 #pragma omp parallel num_threads(threads)
     {
         Scratch w;
@@ -405,10 +412,10 @@ int kv_paged_attention(const float *q, int64_t qstride, float *out, const float 
             default: run_item<16>(a, items[x], w, part); break;
             }
         }
-        if (slots) {
+        if (part_floats) {
 #pragma omp for schedule(dynamic, 1)
             for (int x = 0; x < ng; x++)
-                if (groups[x + 1] - groups[x] > 1 || items[groups[x]].slot >= 0)
+                if (groups[x + 1] - groups[x] > 1 || items[groups[x]].part >= 0)
                     merge_splits(a, items, groups[x], groups[x + 1] - groups[x], part);
         }
     }
