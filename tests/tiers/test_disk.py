@@ -21,6 +21,7 @@ from kvstore.pages import native_copy, record
 from kvstore.pages.keys import Namespace, page_keys, tokens_bytes
 from kvstore.pages.record import RecordHeader
 from kvstore.pages.spec import KVSpec
+from kvstore.tiers import lmdb_reader
 from kvstore.tiers.disk import PAGES_DB, DiskTier
 from conftest import one_pass_levels, requires
 
@@ -284,7 +285,13 @@ BIG = KVSpec(4, 8, 64, "float32", 16)   # 256 KiB pages: read_many hands them to
 BIG_NS = Namespace.for_spec("big", BIG)
 
 
-def test_parallel_read_many_matches_and_refuses_damage(tmp_path, copier):
+@pytest.mark.parametrize("lookups", ["default", "windows", "at_once"])
+def test_parallel_read_many_matches_and_refuses_damage(tmp_path, copier, lookups, monkeypatch):
+    """Also with records looked up 5 at a time (fewer than the 8 the copy takes at a time), window by
+    window or all at once after the first window (as when it came from the disk)."""
+    if lookups != "default":
+        monkeypatch.setattr(lmdb_reader, "_LOOKUP_BYTES", 5 * BIG.page_bytes)
+        monkeypatch.setattr(lmdb_reader, "_MEMORY_RATE", 1e-30 if lookups == "windows" else float("inf"))
     pages = Pages(64, seed=8, spec=BIG, ns=BIG_NS)
     path = tmp_path / "cold"
     with DiskTier(str(path), BIG, 64 * MiB, 256 * MiB, read_threads=4) as tier:

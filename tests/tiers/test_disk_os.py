@@ -69,3 +69,38 @@ def test_drop_page_cache_leaves_the_file_to_the_disk(tmp_path, copier):
             o.zero_()
         assert all(tier.read_many(requests))
         assert all(torch.equal(o, p) for o, p in zip(outs, pages.payloads))
+
+
+def _dropped_file(path, nbytes: int) -> float:
+    """A file of nbytes written and dropped from the page cache; the share of its pages the
+    filesystem keeps anyway (0 on a disk, 1 on a memory filesystem)."""
+    path.write_bytes(os.urandom(nbytes))
+    with open(path, "rb") as f:
+        os.fdatasync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return _resident_pages(path) / (nbytes // 4096)
+
+
+def test_file_stage_brings_in_what_the_page_cache_lacks(tmp_path):
+    """FileStage.stage reads into the page cache exactly the pages of its spans that were not there
+    (a page touched before is not counted again), and a second stage of the same spans reads nothing."""
+    import mmap
+
+    import numpy as np
+
+    from kvstore.tiers.file_stage import FileStage
+    stage = FileStage()
+    requires(stage.available, "needs mincore and madvise(MADV_POPULATE_READ) (Linux 5.14+)")
+    path, size = tmp_path / "records", 8 << 20
+    requires(_dropped_file(path, size) < 0.01, "needs a filesystem on a disk (this one keeps files in memory)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        m.madvise(mmap.MADV_RANDOM)            # a touch reads its own page, nothing around it
+        base = np.frombuffer(m, np.uint8).ctypes.data
+        touched = bytes(m[(1 << 20) + 5:(1 << 20) + 6])   # page 256 only
+        assert touched and _resident_pages(path) == 1
+        spans = [(base + 4096 * 100 + 16, 300 * 4096), (base + 16, 50 * 4096 - 16)]   # pages 100-400, 0-49
+        assert stage.stage(spans) == (301 + 50 - 1) * 4096
+        assert _resident_pages(path) == 301 + 50
+        assert stage.stage(spans) == 0
+        assert stage.staged_bytes == (301 + 50 - 1) * 4096
+    assert path.read_bytes()[(1 << 20) + 5:(1 << 20) + 6] == touched
