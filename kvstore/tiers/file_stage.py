@@ -1,15 +1,16 @@
 """FileStage: the cold tier's records brought from the disk into the OS page cache in one
-sequential pass before they are copied.
+sequential pass, on the reading thread, before they are copied.
 
-A record that is not in the page cache is read from the disk when a copying thread first touches
-its pages (each fault a synchronous read around it), and several threads doing that at once, or
-one touching its record while another thread reads the next, make a pattern that a virtual disk
-served at 0.4-1.0 GB/s, where one thread's sequential pass over the same file ran at 2-3.7 GB/s
-(BENCHMARKS.md, "The cold read from the disk"). So `stage` asks the kernel which pages of the
-records are missing (mincore over the map), and faults those in itself, in address order, a few
-MiB a call (madvise MADV_POPULATE_READ: the kernel's own read, no copy into this process);
-afterwards the copies read from memory. A batch already in the page cache costs one mincore per
-stretch of adjacent records.
+A record not in the page cache is read from the disk when it is first touched: LMDB touches its
+first page when it looks it up (the kernel reads around that page, as far as the device's
+read-ahead reaches: 8 MiB on the VM measured, 128 KiB on many disks), and the copying threads
+fault in the rest. Copying threads faulting pages in while another thread reads made a pattern
+that a VM's disk served at 0.4-0.6 GB/s, where one thread's sequential pass over the same file ran
+at 1.3-3.5 GB/s (BENCHMARKS.md, "The cold read from the disk in one sequential pass"). So
+LmdbReader looks a batch's records up before it copies them, and `stage` asks the kernel which
+of their pages are still missing (mincore over the map) and faults those in, in address order, a
+few MiB a call (madvise MADV_POPULATE_READ: the kernel's own read, no copy into this process).
+A batch already in the page cache costs one mincore per stretch of adjacent records.
 
 Linux 5.14+ (MADV_POPULATE_READ); elsewhere `available` is False and reads go on without it.
 Nothing here reads a byte of a record: a staged page that is damaged is found by the checksum

@@ -156,8 +156,8 @@ class LmdbReader:
         (and the kernel reads around it). The copies of the records looked up before go on meanwhile,
         from memory; but where the batch's first lookups came from the disk (slower than
         _MEMORY_RATE), all its records are looked up at once, so that the disk reads the batch in
-        one sequential pass with no copy running beside it (BENCHMARKS.md: 1.3-1.7 GB/s against
-        0.4-0.6 with copies beside it, on a VM's disk)."""
+        one sequential pass with no copy running beside it (BENCHMARKS.md: 1.3-3.5 GB/s against
+        0.4-0.7 with copies beside it, on a VM's disk)."""
         count = max(1, _LOOKUP_BYTES // self.spec.page_bytes)
         began = time.perf_counter()
         values = [txn.get(req[0]) for req in requests[start:start + count]]
