@@ -12,7 +12,8 @@ mooncake://MASTER_HOST:PORT?metadata=URL[&segment=SIZE&buffer=SIZE&protocol=tcp|
   and the head is copied out; else one batch_get_into_multi_buffers: each value in two parts, its
   head in the calling thread's registered area. A value of another size fails its transfer or
   lands short; its size is then asked for, to tell a foreign or damaged value (WRONG_SIZE) from a
-  failed transfer (RemoteDown).
+  failed transfer (RemoteDown). What landed is checked on the helper thread before its next read
+  starts: in cache, and not beside a transfer, which it slowed on two cores (BENCHMARKS.md).
 - A read of whole values (get_many) is one batch_get_into into the calling thread's registered area, a slot per key as large
   as the largest value seen (1 MiB at first; a larger value is measured and the batch read again);
   values are read-only views, valid until the thread's next get_many. A write copies into a
@@ -340,15 +341,16 @@ class MooncakeBackend(RemoteBackend):
         with self._turn() as deadline:   # the read is queued in the turn and waited for after it: the
             if whole is not None:        # next caller's read is then queued behind it, with no gap
                 area = self._lent[0]
-                call = self._submit(self.store.batch_get_into, keys, [area.ctypes.data + o for o in whole], expect)
+                read = (self.store.batch_get_into, keys, [area.ctypes.data + o for o in whole], expect)
             else:
                 base = self._fit(self._local.heads, sum(sizes), deadline)
                 area = self._local.heads.array
-                call = self._submit(self.store.batch_get_into_multi_buffers, keys,
-                                    [[base + o, t.ctypes.data] for o, t in zip(offsets, targets)],
-                                    [[n, t.nbytes] for n, t in zip(sizes, targets)])
+                read = (self.store.batch_get_into_multi_buffers, keys,
+                        [[base + o, t.ctypes.data] for o, t in zip(offsets, targets)],
+                        [[n, t.nbytes] for n, t in zip(sizes, targets)])
+            call = self._submit(_read_checked, read, expect, list(zip(sizes, offsets)), heads, area, check)
         try:
-            codes = self._wait(call, "get", deadline)
+            codes, verdicts = self._wait(call, "get", deadline)
         except RemoteDown as exc:
             if not call.done.is_set():
                 raise StillLanding(str(exc), call.when_done) from None
@@ -360,10 +362,9 @@ class MooncakeBackend(RemoteBackend):
                 held = self._run("get_size", deadline, lambda: [self.store.get_size(keys[i]) for i in odd])
         self._errors("get", codes, (_NOT_FOUND, _TOO_SMALL, _TRANSFER_FAIL))
         out, held = [], dict(zip(odd, held))
-        for i, (code, n, off) in enumerate(zip(codes, sizes, offsets)):
+        for i, code in enumerate(codes):
             if code == expect[i]:
-                heads[i][:] = area[off:off + n]
-                out.append(checked(check, i))
+                out.append(verdicts[i])
             elif code == _NOT_FOUND or held.get(i, 0) < 0:
                 out.append(MISSING)
             elif held.get(i) != expect[i]:
@@ -424,6 +425,19 @@ class MooncakeBackend(RemoteBackend):
             self.store.close()
             if self._worker is not None:
                 self._worker.stop()
+
+
+def _read_checked(read: tuple, expect: list[int], heads_at: list[tuple[int, int]], heads: Sequence[np.ndarray],
+                  area: np.ndarray, check: Check | None) -> tuple[list[int], list[int | None]]:
+    """The library's batch read read[0](*read[1:]); then each value that landed whole has its head copied
+    out of area (heads_at: length, offset) and is checked: (codes, LANDED/FAILED_CHECK or None each)."""
+    codes = read[0](*read[1:])
+    verdicts: list[int | None] = [None] * len(codes)
+    for i, (code, (n, off)) in enumerate(zip(codes, heads_at)):
+        if code == expect[i]:
+            heads[i][:] = area[off:off + n]
+            verdicts[i] = checked(check, i)
+    return codes, verdicts
 
 
 @REMOTE_BACKENDS.register("mooncake")
