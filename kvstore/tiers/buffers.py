@@ -5,6 +5,7 @@ early writeback during commits."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import threading
@@ -51,18 +52,22 @@ def keep_write_buffers(record_bytes: int, txn_bytes: int) -> None:
 
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 * MiB
-_libc_madvise = None
+@functools.lru_cache(maxsize=None)
+def libc_function(name: str, *argtypes):
+    """libc's function `name` with these argument types (its errno kept), or None off Linux or where
+    libc lacks it."""
+    if platform.system() != "Linux":
+        return None
+    fn = getattr(ctypes.CDLL(None, use_errno=True), name, None)
+    if fn is not None:
+        fn.argtypes = list(argtypes)
+        fn.restype = ctypes.c_int
+    return fn
 
 
 def libc_madvise():
     """libc's madvise(addr, length, advice), or None off Linux / glibc."""
-    global _libc_madvise
-    if _libc_madvise is None and platform.system() == "Linux":
-        fn = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None)
-        if fn is not None:
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _libc_madvise = fn
-    return _libc_madvise
+    return libc_function("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def huge_page_buffer(nbytes: int, zero: bool = False) -> torch.Tensor:
@@ -267,21 +272,11 @@ class RemapLock:
 
 
 _SYNC_FILE_RANGE_WRITE = 2
-_libc_sync_file_range = None
 
 
 def _sync_file_range():
     """libc's sync_file_range (Linux), or None."""
-    global _libc_sync_file_range
-    if _libc_sync_file_range is None:
-        fn = None
-        if platform.system() == "Linux":
-            fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
-        if fn is not None:
-            fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-        _libc_sync_file_range = fn or False
-    return _libc_sync_file_range or None
+    return libc_function("sync_file_range", ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
 
 
 @contextmanager

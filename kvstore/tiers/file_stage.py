@@ -22,26 +22,16 @@ from __future__ import annotations
 import ctypes
 import errno
 import mmap
-import platform
 import threading
 from typing import Iterable
 
 import numpy as np
 
-from kvstore.tiers.buffers import MiB, libc_madvise
+from kvstore.tiers.buffers import MiB, libc_function, libc_madvise
 
 _MADV_POPULATE_READ = 22        # Linux 5.14+
 STAGE_BYTES = 4 * MiB           # pages faulted in per madvise call
 _PAGE = mmap.PAGESIZE
-
-
-def _libc_mincore():
-    if platform.system() != "Linux":
-        return None
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "mincore", None)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return fn
 
 
 class FileStage:
@@ -50,7 +40,7 @@ class FileStage:
     where the kernel lacks a call it needs."""
 
     def __init__(self):
-        self._mincore = _libc_mincore()
+        self._mincore = libc_function("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
         self._madvise = libc_madvise()
         self.available = self._mincore is not None and self._madvise is not None
         self.staged_bytes = 0
